@@ -1,0 +1,87 @@
+"""`initialize` and `add_config_arguments`: the two calls a DeepSpeed training script starts with."""
+
+from __future__ import annotations
+
+import argparse
+
+from torch import nn
+
+from shardspeed.comm.init import init_distributed
+from shardspeed.config import ConfigError, load_config
+from shardspeed.runtime.engine import ShardspeedEngine
+
+
+def _config_source(args, config, config_params):
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is None and args is not None and getattr(args, "deepscale_config", None) is not None:
+        from_args = args.deepscale_config
+    if from_args is not None and config is not None:
+        raise ConfigError(
+            "the config was given twice: args.deepspeed_config and initialize(config=...); pass only one"
+        )
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError(
+            "no config: pass initialize(config=<dict or path>) or --deepspeed_config <path> "
+            "(add_config_arguments(parser) adds the flag)"
+        )
+    return source
+
+
+def initialize(
+    args=None,
+    model: nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int = 29500,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
+    """Build the training engine. Returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
+
+    `config` is a dict, a JSON/HJSON path or urlsafe-base64 JSON; `optimizer`/`lr_scheduler` may be
+    instances or callables and override the config's blocks, as in DeepSpeed.
+    """
+    if model is None:
+        raise ValueError("initialize() needs a model")
+    if mesh_param is not None:
+        raise NotImplementedError(
+            "initialize(mesh_param=...) (sequence/data-parallel meshes) is not supported yet"
+        )
+    source = _config_source(args, config, config_params)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    import torch.distributed as dist
+
+    world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
+    cfg = load_config(source, world_size=world)
+    engine = ShardspeedEngine(
+        model,
+        cfg,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's `--deepspeed` and `--deepspeed_config` flags (and the deprecated `--deepscale*`)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument(
+        "--deepspeed", default=False, action="store_true", help="enable DeepSpeed (informational)"
+    )
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser

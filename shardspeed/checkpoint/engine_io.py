@@ -1,0 +1,227 @@
+"""`engine.save_checkpoint` / `engine.load_checkpoint` with DeepSpeed's layout and semantics.
+
+Layout (stage 0), compatible in names with DeepSpeed's (reference §3):
+
+    <save_dir>/latest                          the newest tag (written last, atomically)
+    <save_dir>/<tag>/mp_rank_00_model_states.pt module weights, optimizer wrapper state, scheduler, counters,
+                                               config, client_state (written by rank 0)
+    <save_dir>/<tag>/rng_states_rank_<R>.pt    each rank's RNG streams (for bit-exact resume)
+
+Both calls are collective: every rank must call them.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardspeed.checkpoint import files
+from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.utils.logging import log_dist, logger
+from shardspeed.version import __version__
+
+# Keys the engine owns in the model-states file; everything else there is the client's state.
+ENGINE_KEYS = {
+    "module", "buffer_names", "optimizer", "lr_scheduler", "data_sampler", "global_steps", "global_samples",
+    "skipped_steps", "micro_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "shardspeed_version", "zero_stage", "param_shapes", "frozen_param_names",
+}  # fmt: skip
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+def _as_tuples(obj):
+    return tuple(_as_tuples(o) for o in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def _validate_tag(engine, tag: str) -> None:
+    tags = [None] * dist.get_world_size()
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) == 1:
+        return
+    mode = engine._config.checkpoint.tag_validation
+    message = f"checkpoint tag differs across ranks: {sorted(set(tags))}"
+    if mode == "Fail":
+        raise CheckpointError(message)
+    if mode == "Warn":
+        log_dist(message, ranks=[0], level=30)
+
+
+def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
+    module_state = engine.module.state_dict()
+    frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+    if exclude_frozen:
+        for name in frozen:
+            module_state.pop(name, None)
+    state = {
+        "module": module_state,
+        "buffer_names": [n for n, _ in engine.module.named_buffers()],
+        "param_shapes": {n: tuple(p.shape) for n, p in engine.module.named_parameters()},
+        "frozen_param_names": frozen,
+        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "data_sampler": engine.training_dataloader.state_dict() if engine.training_dataloader else None,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps,
+        "dp_world_size": engine.world_size,
+        "mp_world_size": 1,
+        "zero_stage": engine.zero_optimization_stage(),
+        "ds_config": engine.config,
+        "ds_version": __version__,
+        "shardspeed_version": __version__,
+    }
+    state.update(client_state)
+    return state
+
+
+def save_checkpoint(
+    engine, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool
+) -> bool:
+    save_dir = Path(save_dir)
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if "/" in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name")
+    files.check_loadable(client_state, "client_state")
+    _validate_tag(engine, tag)
+    rank = dist.get_rank()
+    staging = files.staging_dir(save_dir, tag)
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+        staging.mkdir()
+    dist.barrier()
+    if engine.dp_rank == 0:
+        files.save_file(
+            _model_states(engine, client_state, exclude_frozen), staging / files.model_states_name()
+        )
+    files.save_file(_rng_state(), staging / files.rng_states_name(rank))
+    dist.barrier()
+    if rank == 0:
+        final = save_dir / tag
+        if final.exists():  # re-saving a tag: swap in the new one, then drop the old
+            old = save_dir / f".{tag}.replaced"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            staging.rename(final)
+            shutil.rmtree(old)
+        else:
+            staging.rename(final)
+        if save_latest:
+            files.atomic_write_text(save_dir / files.LATEST, tag)
+    dist.barrier()
+    log_dist(f"saved checkpoint {save_dir / tag}")
+    return True
+
+
+def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_scheduler_states, module_only):
+    load_dir = Path(load_dir)
+    if tag is None:
+        tag = files.read_latest(load_dir)
+        if tag is None:
+            logger.warning(f"no checkpoint to load: {load_dir / files.LATEST} does not exist")
+            return None, None
+    path = load_dir / str(tag)
+    if not path.is_dir():
+        logger.warning(f"no checkpoint to load: {path} does not exist")
+        return None, None
+    state = files.load_file(path / files.model_states_name())
+    _load_module(engine, state, strict, path)
+    if module_only:
+        if engine.optimizer is not None and hasattr(engine.optimizer, "refresh_masters_from_module"):
+            engine.optimizer.refresh_masters_from_module()
+        return str(path), {}
+    _load_optimizer(engine, state, load_optimizer_states, path)
+    if load_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if engine.training_dataloader is not None and state.get("data_sampler"):
+        engine.training_dataloader.load_state_dict(state["data_sampler"])
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = state["skipped_steps"]
+    engine.micro_steps = state.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
+    _load_rng(path)
+    client_state = {k: v for k, v in state.items() if k not in ENGINE_KEYS}
+    dist.barrier()
+    return str(path), client_state
+
+
+def _load_module(engine, state: dict, strict: bool, path: Path) -> None:
+    if "module" not in state:
+        raise CheckpointError(
+            f"{path / files.model_states_name()} has no 'module' entry: not a model checkpoint"
+        )
+    ours = dict(engine.module.named_parameters())
+    mismatched = [
+        f"{name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(ours[name].shape)}"
+        for name, tensor in state["module"].items()
+        if name in ours and tuple(tensor.shape) != tuple(ours[name].shape)
+    ]
+    if mismatched:
+        shown = "; ".join(mismatched[:6]) + (
+            f"; and {len(mismatched) - 6} more" if len(mismatched) > 6 else ""
+        )
+        raise CheckpointError(
+            f"checkpoint {path} was saved from a different model: {len(mismatched)} parameter shapes differ ({shown})"
+        )
+    try:
+        engine.module.load_state_dict(state["module"], strict=strict)
+    except RuntimeError as err:
+        raise CheckpointError(f"checkpoint {path} does not match the model: {err}") from err
+
+
+def _load_optimizer(engine, state: dict, load_optimizer_states: bool, path: Path) -> None:
+    optimizer = engine.optimizer
+    if optimizer is None:
+        return
+    saved = state.get("optimizer")
+    if not load_optimizer_states or saved is None:
+        if hasattr(optimizer, "refresh_masters_from_module"):
+            optimizer.refresh_masters_from_module()
+        return
+    if saved.get("zero_stage", 0) != optimizer.zero_stage:
+        raise CheckpointError(
+            f"checkpoint {path} holds ZeRO stage {saved.get('zero_stage')} optimizer state but this engine "
+            f"runs stage {optimizer.zero_stage}"
+        )
+    try:
+        optimizer.load_state_dict(saved)
+    except (KeyError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"optimizer state in {path} does not match this optimizer: {err}") from err
+
+
+def _load_rng(path: Path) -> None:
+    rng_file = path / files.rng_states_name(dist.get_rank())
+    if rng_file.is_file():
+        _set_rng_state(files.load_file(rng_file))
+    else:
+        log_dist(f"{rng_file.name} not in checkpoint (saved at another world size): RNG streams not restored")

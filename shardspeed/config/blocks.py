@@ -1,0 +1,191 @@
+"""Config blocks of the training core: precision, optimizer, scheduler, data types, checkpoint.
+
+Defaults are DeepSpeed's *code* defaults (reference §2.2, §2.3, §2.9), not its documentation's.
+Shared field types (``PositiveInt``, ``DtypeName``, ...) live here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
+
+from .build import Key, join, show
+from .errors import ConfigError
+
+__all__ = [
+    "AmpConfig",
+    "Bf16Config",
+    "CheckpointConfig",
+    "DataTypesConfig",
+    "DtypeName",
+    "Fp16Config",
+    "NonNegFloat",
+    "NonNegInt",
+    "OptimizerConfig",
+    "ParallelWriteConfig",
+    "PositiveFloat",
+    "PositiveInt",
+    "SchedulerConfig",
+    "TorchAutocastConfig",
+]
+
+PositiveInt = Annotated[int, Key(gt=0)]
+NonNegInt = Annotated[int, Key(ge=0)]
+PositiveFloat = Annotated[float, Key(gt=0)]
+NonNegFloat = Annotated[float, Key(ge=0)]
+
+_DTYPE_SYNONYMS = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+}
+
+
+def _dtype_name(value: Any) -> Any:
+    """Map DeepSpeed's dtype spellings ("float16", "torch.bfloat16", "BF16") onto fp32/fp16/bf16."""
+    return _DTYPE_SYNONYMS.get(value.lower(), value) if isinstance(value, str) else value
+
+
+DtypeName = Annotated[Literal["fp32", "fp16", "bf16"], Key(normalize=_dtype_name)]
+
+
+@dataclass(kw_only=True)
+class Fp16Config:
+    """``fp16``: half-precision training with loss scaling."""
+
+    enabled: bool = False
+    """Train in fp16: module parameters cast to fp16, fp32 master weights in the optimizer. Default false."""
+    auto_cast: bool = False
+    """Cast floating-point inputs of the module's forward to fp16. Default false."""
+    loss_scale: NonNegFloat = 0.0
+    """0 = dynamic loss scaling; > 0 = this static scale. Default 0."""
+    initial_scale_power: NonNegInt = 16
+    """Dynamic scaling starts at 2**initial_scale_power. Default 16."""
+    loss_scale_window: PositiveInt = 1000
+    """Overflow-free steps before the dynamic scale is doubled. Default 1000."""
+    hysteresis: Annotated[int, Key(ge=1)] = 2
+    """Overflows tolerated before the scale is halved. Default 2."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every overflow-free step. Default false."""
+    min_loss_scale: PositiveFloat = 1.0
+    """The dynamic scale never goes below this. Default 1."""
+    fp16_master_weights_and_grads: bool = False
+    """Keep master weights and grads in fp16 (DeepSpeed: ZeRO-2 + CPU offload only). Default false."""
+
+
+@dataclass(kw_only=True)
+class Bf16Config:
+    """``bf16`` (legacy name ``bfloat16``): bfloat16 training, no loss scaling."""
+
+    enabled: bool = False
+    """Train in bf16 with fp32 master weights. Default false."""
+    immediate_grad_update: bool = False
+    """Apply each gradient to the fp32 accumulator as soon as it is produced. Default false."""
+
+
+@dataclass(kw_only=True)
+class AmpConfig:
+    """``amp``: NVIDIA Apex AMP; every key other than ``enabled`` goes to ``apex.amp.initialize``."""
+
+    EXTRA_KEYS_FIELD: ClassVar[str] = "extra_args"
+
+    enabled: bool = False
+    """Use Apex AMP (incompatible with fp16/bf16 blocks and ZeRO). Default false."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """Every other key of the block, passed through unvalidated (e.g. ``opt_level``)."""
+
+
+@dataclass(kw_only=True)
+class TorchAutocastConfig:
+    """``torch_autocast``: run the forward under ``torch.autocast``."""
+
+    enabled: bool = False
+    """Wrap forward in torch.autocast. Default false."""
+    dtype: DtypeName | None = None
+    """Autocast dtype; None = bf16/fp16 per device default. Default null."""
+    lower_precision_safe_modules: list[str] | None = None
+    """Module class names (with package) whose weights may be kept in the lower precision. Default null."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """``optimizer``: the optimizer the engine builds when the script passes none."""
+
+    REQUIRED_EXAMPLE: ClassVar[str] = ' (the optimizer name, e.g. "type": "AdamW")'
+
+    type: str
+    """Optimizer name: DeepSpeed's (Adam, AdamW, Lamb, ...; case-insensitive) or any torch.optim class. Required."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the optimizer (lr, betas, ...), checked by the optimizer builder. Default {}."""
+    legacy_fusion: bool = False
+    """Accepted for compatibility; has no effect. Default false."""
+
+    def validate(self, path: str) -> None:
+        if not self.type.strip():
+            raise ConfigError(f"{join(path, 'type')}: must name an optimizer, got {show(self.type)}")
+        if "max_grad_norm" in self.params:
+            raise ConfigError(
+                f"{join(path, 'params.max_grad_norm')}: gradient clipping is not an optimizer argument; "
+                f"remove it and set the top-level 'gradient_clipping' key instead "
+                f"(got {show(self.params['max_grad_norm'])})"
+            )
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """``scheduler``: the learning-rate schedule the engine builds when the script passes none."""
+
+    REQUIRED_EXAMPLE: ClassVar[str] = ' (the schedule name, e.g. "type": "WarmupLR")'
+
+    type: str
+    """Schedule name: DeepSpeed's (WarmupLR, WarmupDecayLR, ...) or any torch.optim.lr_scheduler class. Required."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the schedule, checked by the schedule builder. Default {}."""
+
+    def validate(self, path: str) -> None:
+        if not self.type.strip():
+            raise ConfigError(f"{join(path, 'type')}: must name a schedule, got {show(self.type)}")
+
+
+@dataclass(kw_only=True)
+class DataTypesConfig:
+    """``data_types``: dtypes of internal buffers."""
+
+    grad_accum_dtype: DtypeName | None = None
+    """Dtype gradients accumulate in; null = the model's dtype (bf16 without ZeRO: fp32). Default null."""
+
+
+@dataclass(kw_only=True)
+class ParallelWriteConfig:
+    """``checkpoint.parallel_write``."""
+
+    pipeline_stage: bool = False
+    """Spread pipeline layer files over data-parallel ranks when saving. Default false."""
+
+
+def _tag_mode(value: Any) -> Any:
+    return value.capitalize() if isinstance(value, str) else value
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """``checkpoint``: checkpoint behaviour."""
+
+    tag_validation: Annotated[Literal["Ignore", "Warn", "Fail"], Key(normalize=_tag_mode)] = "Warn"
+    """Check that all ranks save under the same tag: Ignore, Warn or Fail (case-insensitive). Default Warn."""
+    load_universal: bool = False
+    """Load a universal (parallelism-independent) checkpoint. Default false."""
+    use_node_local_storage: bool = False
+    """Each node's local rank 0 writes model files (node-local disks). Default false."""
+    parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig)
+    """Parallel checkpoint writing options."""
+    writer: dict[str, Any] | None = None
+    """DeepSpeed's fast checkpoint writer options (free-form, passed through). Default null."""

@@ -1,0 +1,154 @@
+"""``load_config``: from a dict, a JSON/HJSON file or a base64 string to a validated ``ShardspeedConfig``.
+
+Order of work: read the source -> refuse "auto" values -> map deprecated forms -> build and type-check
+every block -> cross-block checks -> resolve the batch triple -> warn (deprecations, then one warning
+naming every set key of a feature that is not implemented yet). The caller's dict is never modified.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import os
+import warnings
+from typing import Any
+
+import hjson
+
+from .batch import resolve_batch_sizes
+from .build import BuildContext, ConfigWarning, build_block, join, show
+from .deprecated import map_deprecated
+from .errors import ConfigError
+from .implemented import unimplemented_keys
+from .schema import ShardspeedConfig
+
+__all__ = ["load_config", "parse_config_text", "read_config_source"]
+
+# Keys where "auto" is a value DeepSpeed itself understands, not an integration placeholder.
+NATIVE_AUTO_KEYS = frozenset({"pipeline.stages"})
+
+_NOT_BASE64 = set("/\\.{}\n\t :\"'")
+
+
+def load_config(config: Any, world_size: int = 1) -> ShardspeedConfig:
+    """Load, validate and resolve a DeepSpeed config.
+
+    ``config``: a dict, a path to a JSON/HJSON file (comments allowed), a urlsafe-base64 string of
+    JSON, or a ``ShardspeedConfig`` (re-resolved for ``world_size``). ``world_size``: data-parallel
+    size used for the batch arithmetic. Raises ``ConfigError``; warns with ``ConfigWarning``.
+    """
+    if isinstance(config, ShardspeedConfig):
+        config = config.raw
+    raw = copy.deepcopy(read_config_source(config))
+    reject_auto(raw, "")
+    ctx = BuildContext()
+    cfg = build_block(ShardspeedConfig, map_deprecated(copy.deepcopy(raw), ctx), "", ctx)
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
+        resolve_batch_sizes(
+            cfg.train_batch_size,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+            world_size,
+        )
+    )
+    cfg.raw, cfg.world_size = raw, world_size
+    for note in ctx.notes:
+        warnings.warn(note, ConfigWarning, stacklevel=2)
+    unimplemented = unimplemented_keys(cfg, ctx.given)
+    if unimplemented:
+        warnings.warn(
+            "these DeepSpeed keys are accepted but not implemented yet and have no effect: "
+            + ", ".join(unimplemented),
+            ConfigWarning,
+            stacklevel=2,
+        )
+    return cfg
+
+
+def read_config_source(config: Any) -> dict[str, Any]:
+    """The config as a dict (the caller's own object when a dict is given: copy before changing it)."""
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, os.PathLike):
+        return _read_file(os.fspath(config))
+    if not isinstance(config, str):
+        raise ConfigError(
+            f"config: expected a dict, a path to a JSON file or a base64 string, got {type(config).__name__}"
+        )
+    if os.path.isfile(config):
+        return _read_file(config)
+    if os.path.exists(config):
+        raise ConfigError(f"config: {config!r} is a directory, not a config file")
+    if not config.strip() or _NOT_BASE64 & set(config.strip()):
+        raise ConfigError(f"config file not found: {config!r}")
+    return _read_base64(config)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise ConfigError(f"config file {path!r} cannot be read: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text: {error}") from error
+    return parse_config_text(text, source=repr(path))
+
+
+def _read_base64(text: str) -> dict[str, Any]:
+    try:
+        decoded = base64.urlsafe_b64decode(text.strip()).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(
+            f"config: {show(text)} is neither an existing file nor a urlsafe-base64-encoded JSON config"
+        ) from error
+    return parse_config_text(decoded, source="base64 config")
+
+
+def parse_config_text(text: str, source: str = "config") -> dict[str, Any]:
+    """Parse JSON or HJSON text (comments allowed); duplicate keys and non-object configs are errors."""
+    try:
+        parsed = hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as error:
+        raise ConfigError(f"{source}: duplicate key '{error.key}'; each key may appear once") from None
+    except hjson.HjsonDecodeError as error:
+        raise ConfigError(
+            f"{source}: invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(
+            f"{source}: a config must be a JSON object ({{...}}) at top level, got {show(parsed)}"
+        )
+    return parsed
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def reject_auto(value: Any, path: str) -> None:
+    """Refuse the string "auto" anywhere: HF Transformers/Accelerate fill it in before DeepSpeed sees it."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            reject_auto(item, join(path, str(key)))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            reject_auto(item, f"{path}[{index}]")
+    elif isinstance(value, str) and value.strip().lower() == "auto" and path not in NATIVE_AUTO_KEYS:
+        raise ConfigError(
+            f'{path}: "auto" is not a value: HF Transformers/Accelerate replace "auto" with real values '
+            f"before the config reaches the engine. When the config is passed to shardspeed directly, "
+            f"give {path} a value"
+        )

@@ -1,0 +1,218 @@
+"""``ShardspeedConfig``: the whole DeepSpeed JSON config as one typed object (reference §2).
+
+Each top-level key is a field; blocks are the dataclasses of ``blocks.py``, ``zero.py``, ``monitoring.py``
+and ``features.py``. Build it with ``load_config`` (``loader.py``), which also resolves the batch triple,
+maps deprecated keys and warns about keys of features not implemented yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from . import validate as cross_checks
+from .blocks import (
+    AmpConfig,
+    Bf16Config,
+    CheckpointConfig,
+    DataTypesConfig,
+    DtypeName,
+    Fp16Config,
+    NonNegFloat,
+    OptimizerConfig,
+    PositiveFloat,
+    PositiveInt,
+    SchedulerConfig,
+    TorchAutocastConfig,
+)
+from .build import Key
+from .features import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    AutotuningConfig,
+    CurriculumLearningConfig,
+    DataEfficiencyConfig,
+    EigenvalueConfig,
+    ElasticityConfig,
+    HybridEngineConfig,
+    PipelineConfig,
+    ProgressiveLayerDropConfig,
+    SparseAttentionConfig,
+)
+from .monitoring import (
+    CometConfig,
+    CommsLoggerConfig,
+    CsvMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    TimersConfig,
+    WandbConfig,
+)
+from .zero import ZeroConfig
+
+__all__ = ["ShardspeedConfig"]
+
+FreeForm = dict[str, Any] | None
+
+
+@dataclass(kw_only=True)
+class ShardspeedConfig:
+    """A validated DeepSpeed config. After ``load_config`` the three batch fields are resolved ints."""
+
+    # ---- batch (reference §2.1); resolved by batch.resolve_batch_sizes ----
+    train_batch_size: PositiveInt | None = None
+    """Global batch: micro batch x accumulation steps x data-parallel world size."""
+    train_micro_batch_size_per_gpu: PositiveInt | None = None
+    """Samples per rank per forward/backward."""
+    gradient_accumulation_steps: PositiveInt | None = None
+    """Micro-batches per optimizer step."""
+
+    # ---- precision (§2.2) ----
+    fp16: Fp16Config = field(default_factory=Fp16Config)
+    """fp16 training with loss scaling."""
+    bf16: Annotated[Bf16Config, Key(aliases=("bfloat16",))] = field(default_factory=Bf16Config)
+    """bf16 training (legacy name "bfloat16" accepted)."""
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    """NVIDIA Apex AMP."""
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
+    """torch.autocast around forward."""
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    """Dtypes of internal buffers."""
+
+    # ---- optimizer and schedule (§2.3) ----
+    optimizer: OptimizerConfig | None = None
+    """Optimizer built from config when the script passes none; null = none."""
+    scheduler: SchedulerConfig | None = None
+    """LR schedule built from config when the script passes none; null = none."""
+    zero_allow_untested_optimizer: bool = False
+    """Allow a client optimizer DeepSpeed has not tested with ZeRO. Default false."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """With optimizer offload, require DeepSpeed's CPU optimizer. Default true."""
+
+    # ---- gradients and communication (§2.4) ----
+    gradient_clipping: NonNegFloat = 0.0
+    """Clip gradients to this global norm; 0 = off. Default 0.0 (DeepSpeed's code; its docs say 1.0)."""
+    prescale_gradients: bool = False
+    """Divide gradients by the world size before the all-reduce instead of after. Default false."""
+    gradient_predivide_factor: PositiveFloat = 1.0
+    """Divide by this before the all-reduce and by world/factor after. Default 1.0."""
+    communication_data_type: DtypeName | None = None
+    """Dtype of gradient communication: fp32, fp16, bf16; null = the model's dtype."""
+    seq_parallel_comm_data_type: DtypeName = "fp32"
+    """Dtype of sequence-parallel communication. Default fp32."""
+    sparse_gradients: bool = False
+    """Reduce embedding gradients as sparse tensors. Default false."""
+    disable_allgather: bool = False
+    """Parsed by DeepSpeed, unused. Default false."""
+    use_data_before_expert_parallelism: bool = False
+    """MoE group topology: data-parallel ranks before expert-parallel ones. Default false."""
+    graph_harvesting: bool = False
+    """CUDA graphs for the bf16 norm/clip step. Default false."""
+
+    # ---- ZeRO (§2.5) ----
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    """ZeRO stages 0-3 and offload."""
+    aio: AioConfig = field(default_factory=AioConfig)
+    """Asynchronous I/O for NVMe offload."""
+
+    # ---- logging and measurement (§2.8) ----
+    steps_per_print: PositiveInt | None = None
+    """Log progress every this many steps; null = never (DeepSpeed's code; its docs say 10)."""
+    wall_clock_breakdown: bool = False
+    """Time forward/backward/step. Default false."""
+    memory_breakdown: bool = False
+    """Log memory use. Default false."""
+    dump_state: bool = False
+    """Print the engine state after initialisation. Default false."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases monitor."""
+    csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
+    """CSV monitor."""
+    comet: CometConfig = field(default_factory=CometConfig)
+    """Comet monitor."""
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    """Communication logger."""
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    """FLOPs profiler."""
+    timers: TimersConfig = field(default_factory=TimersConfig)
+    """Engine timers."""
+
+    # ---- checkpoints and data (§2.9, §2.4) ----
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint behaviour."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete batch of the engine's dataloader. Default false."""
+
+    # ---- other features (§2.7, §2.10-§2.14) ----
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    """Activation checkpointing options."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline-parallel engine options."""
+    elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
+    """Elastic batch sizes."""
+    autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
+    """Autotuner."""
+    sparse_attention: SparseAttentionConfig | None = None
+    """Block-sparse attention; null = off."""
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    """Hybrid training/generation engine."""
+    progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
+    """Progressive layer drop."""
+    eigenvalue: EigenvalueConfig = field(default_factory=EigenvalueConfig)
+    """Hessian eigenvalue estimation."""
+    curriculum_learning: CurriculumLearningConfig = field(default_factory=CurriculumLearningConfig)
+    """Legacy curriculum learning."""
+    data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
+    """Data efficiency library."""
+    vocabulary_size: PositiveInt | None = None
+    """Vocabulary size (DeepSpeed warns when not a multiple of 8). Default null."""
+    sequence_parallel_size: PositiveInt = 1
+    """Sequence-parallel degree (Ulysses). Default 1."""
+    # Blocks with large, open-ended schemas: accepted as objects and passed through unvalidated.
+    compression_training: FreeForm = None
+    """Compression (quantization/pruning) schedules."""
+    quantize_training: FreeForm = None
+    """MoQ quantize-aware training."""
+    tensor_parallel: FreeForm = None
+    """Automatic tensor parallelism."""
+    expert_parallel: FreeForm = None
+    """Automatic expert parallelism."""
+    weight_quantization: FreeForm = None
+    """Post-initialisation weight quantization."""
+    compile: FreeForm = None
+    """torch.compile / DeepCompile options."""
+    nebula: FreeForm = None
+    """Nebula checkpoint service."""
+    datastates: FreeForm = None
+    """DataStates asynchronous checkpointing."""
+
+    # ---- set by the loader, not JSON keys ----
+    raw: Annotated[dict[str, Any], Key(internal=True)] = field(default_factory=dict, repr=False)
+    """The user's config exactly as given (a deep copy); saved in checkpoints as ds_config."""
+    world_size: Annotated[int, Key(internal=True)] = 1
+    """Data-parallel world size the batch triple was resolved for."""
+
+    @property
+    def zero_enabled(self) -> bool:
+        """True when a ZeRO stage above 0 is configured."""
+        return self.zero_optimization.stage > 0
+
+    def validate(self, path: str) -> None:
+        """Checks across blocks; runs once every block has been built."""
+        cross_checks.check_all(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fully resolved config (every key, defaults filled in), JSON-serialisable."""
+        internal = {"raw", "world_size"}
+        return {
+            f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in internal
+        }
+
+
+def _plain(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value

@@ -1,0 +1,198 @@
+"""The ``zero_optimization`` block and its ``offload_param`` / ``offload_optimizer`` sub-blocks.
+
+Keys and code defaults follow reference §2.5. The ``stage3_*`` names are canonical here (they are the
+names DeepSpeed documents); the short names DeepSpeed also accepts (``prefetch_bucket_size``, ...) are
+aliases, mapped with a deprecation warning. Sizes are counts of elements, not bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from .blocks import NonNegInt, PositiveInt
+from .build import Key, join
+from .errors import ConfigError
+
+__all__ = ["LocoConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+def _check_nvme_path(block: OffloadParamConfig | OffloadOptimizerConfig, path: str) -> None:
+    if block.device == "nvme" and not block.nvme_path:
+        raise ConfigError(
+            f"{join(path, 'nvme_path')}: required when {join(path, 'device')} is 'nvme' "
+            f"(a directory on a fast local NVMe disk)"
+        )
+
+
+@dataclass(kw_only=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param``: keep ZeRO-3 parameters in CPU memory or on NVMe."""
+
+    device: OffloadDevice = "none"
+    """Where parameters live between uses: none, cpu or nvme. Default none (DeepSpeed's code default)."""
+    nvme_path: str | None = None
+    """Directory for NVMe offload; required with device nvme. Default null."""
+    buffer_count: NonNegInt = 5
+    """Number of buffers in the NVMe parameter swap pool. Default 5."""
+    buffer_size: PositiveInt = 100_000_000
+    """Size of each NVMe parameter swap buffer, in elements. Default 1e8."""
+    max_in_cpu: NonNegInt = 1_000_000_000
+    """Elements kept in CPU memory when offloading to NVMe. Default 1e9."""
+    pin_memory: bool = False
+    """Use page-locked CPU memory (faster copies, less pageable memory). Default false."""
+
+    def validate(self, path: str) -> None:
+        _check_nvme_path(self, path)
+
+
+@dataclass(kw_only=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: keep optimizer state (and its step) on CPU or NVMe."""
+
+    device: OffloadDevice = "none"
+    """Where optimizer state lives: none, cpu or nvme. Default none (DeepSpeed's code default)."""
+    nvme_path: str | None = None
+    """Directory for NVMe offload; required with device nvme. Default null."""
+    buffer_count: NonNegInt = 4
+    """Number of buffers for NVMe optimizer-state swapping. Default 4."""
+    pin_memory: bool = False
+    """Use page-locked CPU memory. Default false."""
+    pipeline_read: bool = False
+    """Overlap NVMe reads of the next sub-group with the current step. Default false."""
+    pipeline_write: bool = False
+    """Overlap NVMe writes with the step. Default false."""
+    fast_init: bool = False
+    """Faster optimizer initialisation when offloading to NVMe. Default false."""
+    ratio: Annotated[float, Key(ge=0, le=1)] = 1.0
+    """Fraction of the optimizer step run on CPU (ZeRO-3 only below 1). Default 1.0."""
+
+    def validate(self, path: str) -> None:
+        _check_nvme_path(self, path)
+
+
+@dataclass(kw_only=True)
+class LocoConfig:
+    """``zero_optimization.zeropp_loco_param``: LoCo error feedback for ZeRO++ quantized gradients."""
+
+    err_beta: float = 0.8
+    """Error-feedback decay. Default 0.8."""
+    reset_T: NonNegInt = 1024
+    """Steps between error-buffer resets. Default 1024."""
+
+
+_PREFETCH_ALIASES = ("prefetch_bucket_size",)
+_GATHER_ALIASES = ("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """``zero_optimization``: ZeRO partitioning of optimizer states (1), gradients (2) and parameters (3)."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    """0 off, 1 partition optimizer states, 2 + gradients, 3 + parameters. Default 0."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced. Default true."""
+    reduce_scatter: bool = True
+    """Stage 1/2: reduce each gradient slice to its owner; false = plain all-reduce. Default true."""
+    reduce_bucket_size: PositiveInt = 500_000_000
+    """Elements reduced per gradient bucket. Default 5e8."""
+    use_multi_rank_bucket_allreduce: bool = True
+    """Stage 1/2: one all-reduce per bucket instead of per-owner reduces. Default true."""
+    allgather_partitions: bool = True
+    """Accepted for compatibility (DeepSpeed parses it but no longer uses it). Default true."""
+    allgather_bucket_size: PositiveInt = 500_000_000
+    """Stage 1/2: elements per all-gather of updated parameters. Default 5e8."""
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with backward; null = true for stage 3, false otherwise (resolved on load)."""
+    load_from_fp32_weights: bool = True
+    """On load, restore fp32 master weights from the checkpoint's fp32 copy. Default true."""
+    elastic_checkpoint: bool = False
+    """Stage 1/2 elastic checkpoint layout (unsupported in DeepSpeed too). Default false."""
+    offload_param: OffloadParamConfig | None = None
+    """Stage 3 parameter offload; null = off."""
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    """Optimizer-state offload (stages 1-3); null = off."""
+    sub_group_size: PositiveInt = 1_000_000_000
+    """Stage 3: elements per optimizer-step tile. Default 1e9 (DeepSpeed's code; its docs say 1e12)."""
+    stage3_prefetch_bucket_size: Annotated[NonNegInt, Key(aliases=_PREFETCH_ALIASES)] = 50_000_000
+    """Stage 3: elements fetched ahead of use. Default 5e7 (DeepSpeed's code; its docs say 5e8)."""
+    stage3_param_persistence_threshold: Annotated[
+        NonNegInt, Key(aliases=("param_persistence_threshold",))
+    ] = 100_000
+    """Stage 3: parameters with at most this many elements stay gathered. Default 1e5."""
+    stage3_model_persistence_threshold: Annotated[
+        NonNegInt, Key(aliases=("model_persistence_threshold",))
+    ] = sys.maxsize
+    """Stage 3: cap on the total elements of persistent parameters. Default sys.maxsize."""
+    stage3_max_live_parameters: Annotated[NonNegInt, Key(aliases=("max_live_parameters",))] = 1_000_000_000
+    """Stage 3: most gathered elements resident at once. Default 1e9."""
+    stage3_max_reuse_distance: Annotated[NonNegInt, Key(aliases=("max_reuse_distance",))] = 1_000_000_000
+    """Stage 3: keep a parameter gathered if it is reused within this many elements. Default 1e9."""
+    stage3_gather_16bit_weights_on_model_save: Annotated[bool, Key(aliases=_GATHER_ALIASES)] = False
+    """Stage 3: gather full 16-bit weights so save_16bit_model writes a whole model. Default false."""
+    stage3_module_granularity_threshold: Annotated[
+        NonNegInt, Key(aliases=("module_granularity_threshold",))
+    ] = 0
+    """Stage 3: small modules below this size become leaf modules fetched as one. Default 0 (off)."""
+    stage3_use_all_reduce_for_fetch_params: Annotated[
+        bool, Key(aliases=("use_all_reduce_for_fetch_params",))
+    ] = False
+    """Stage 3: fetch parameters with all-reduce instead of all-gather. Default false."""
+    ignore_unused_parameters: bool = True
+    """Stage 1/2 offload: tolerate parameters that get no gradient. Default true."""
+    legacy_stage1: bool = False
+    """Removed in DeepSpeed 0.5.9; true is an error. Default false."""
+    round_robin_gradients: bool = False
+    """Stage 1/2: order gradients so consecutive ones belong to different ranks. Default false."""
+    zero_hpz_partition_size: Annotated[int, Key(ge=1)] = 1
+    """ZeRO++ hpZ secondary partition size (e.g. GPUs per node). Default 1 (off)."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ: quantized all-gather of weights. Default false."""
+    zero_quantized_nontrainable_weights: bool = False
+    """Store frozen weights quantized. Default false."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: quantized gradient reduction. Default false."""
+    zeropp_loco_param: LocoConfig | None = None
+    """LoCo-ZeRO++ error feedback; null = off."""
+    mics_shard_size: int = -1
+    """> 0: MiCS, shard stage 3 within groups of this size. Default -1 (off)."""
+    mics_hierarchical_params_gather: bool = False
+    """MiCS: hierarchical parameter all-gather. Default false."""
+    memory_efficient_linear: bool = True
+    """zero.Init replaces F.linear with a memory-efficient version. Default true."""
+    pipeline_loading_checkpoint: bool = False
+    """Stage 3: load checkpoints node by node. Default false."""
+    override_module_apply: bool = True
+    """zero.Init gathers parameters inside nn.Module.apply. Default true."""
+    log_trace_cache_warnings: bool = False
+    """Stage 3: log invalidations of the parameter-fetch trace. Default false."""
+
+    def __post_init__(self) -> None:
+        # DeepSpeed's default depends on the stage: overlapping helps stage 3 the most.
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+
+    def validate(self, path: str) -> None:
+        if self.legacy_stage1:
+            raise ConfigError(
+                f"{join(path, 'legacy_stage1')}: true is no longer supported (removed in DeepSpeed 0.5.9); "
+                f"remove the key and use stage 1"
+            )
+        self._check_offload(path)
+
+    def _check_offload(self, path: str) -> None:
+        param, optim = self.offload_param, self.offload_optimizer
+        if param is not None and param.device != "none" and self.stage != 3:
+            raise ConfigError(
+                f"{join(path, 'offload_param')}: parameter offload needs {join(path, 'stage')} 3, "
+                f"got stage {self.stage} (use offload_optimizer for stages 1 and 2)"
+            )
+        if optim is not None and optim.ratio < 1.0 and self.stage != 3:
+            raise ConfigError(
+                f"{join(path, 'offload_optimizer.ratio')}: a ratio below 1 ({optim.ratio}) needs "
+                f"{join(path, 'stage')} 3, got stage {self.stage}"
+            )

@@ -1,0 +1,83 @@
+"""Training data: a DataLoader that gives each data-parallel rank its own shard, and `RepeatingLoader`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+
+class ShardedDataLoader:
+    """Micro-batches of `dataset` for one data-parallel rank, reshuffled every epoch.
+
+    A map-style dataset is split by `DistributedSampler` (each rank sees a disjoint 1/N of every epoch; the
+    permutation changes with the epoch so ranks stay in step). An iterable dataset is the user's to shard.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        batch_size: int,
+        num_replicas: int,
+        rank: int,
+        collate_fn: Callable | None = None,
+        drop_last: bool = False,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        data_sampler=None,
+        seed: int = 0,
+    ):
+        self.epoch = 0
+        if isinstance(dataset, IterableDataset):
+            self.sampler = None
+        elif data_sampler is not None:
+            self.sampler = data_sampler
+        else:
+            self.sampler = DistributedSampler(
+                dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            )
+        self.loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            pin_memory=pin_memory and torch.cuda.is_available(),
+        )
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+
+
+class RepeatingLoader:
+    """Wraps an iterable so that it restarts (a new epoch) instead of raising StopIteration."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(self.loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

@@ -1,0 +1,175 @@
+"""ZeRO stage 0: plain data parallelism, with fp32 master weights when training in fp16/bf16.
+
+Every rank holds the full parameters, gradients and optimizer state. Gradients are averaged by
+`BucketedAllReducer` during backward; at the accumulation boundary `step()` checks for fp16 overflow,
+computes the global gradient norm, folds loss-unscaling and clipping into one multiplier, steps the wrapped
+torch optimizer, and copies the fp32 masters back into the module's low-precision parameters.
+
+After the all-reduce every rank holds identical gradients, so the overflow flag and the norm are computed
+locally and agree everywhere without another collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shardspeed.runtime.grad_buckets import BucketedAllReducer
+from shardspeed.runtime.precision import LossScaler, PrecisionPlan
+
+
+class DataParallelOptimizer:
+    """Wraps a torch optimizer for stage 0. `engine.optimizer` is this object; `.optimizer` is the torch one."""
+
+    zero_stage = 0
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_params: list[tuple[str, nn.Parameter]],
+        *,
+        plan: PrecisionPlan,
+        scaler: LossScaler,
+        gradient_clipping: float,
+        reducer: BucketedAllReducer,
+    ):
+        self.optimizer = optimizer
+        self.plan = plan
+        self.scaler = scaler
+        self.clip = gradient_clipping
+        self.reducer = reducer
+        self.names = {p: name for name, p in named_params}
+        self.overflow = False
+        self.grad_norm: float | None = None
+        # Mixed precision: fp32 masters, one flat buffer per gradient bucket, so unscaling, the optimizer's
+        # foreach kernels and the copy back into the module each touch a few large tensors.
+        self.master_flats: list[torch.Tensor] = []
+        self.masters: dict[nn.Parameter, torch.Tensor] = {}
+        if plan.mixed:
+            self._create_masters()
+
+    # -- set-up --------------------------------------------------------------------------------------------
+
+    def _create_masters(self) -> None:
+        for bucket in self.reducer.buckets:
+            flat = torch.cat([p.detach().reshape(-1).float() for p in bucket.params])
+            self.master_flats.append(flat)
+            offset = 0
+            for p in bucket.params:
+                self.masters[p] = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        for group in self.optimizer.param_groups:
+            group["params"] = [self.masters.get(p, p) for p in group["params"]]
+
+    # -- the optimizer protocol the engine drives ---------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale
+
+    cur_scale = loss_scale
+
+    def backward_begin(self, is_boundary: bool) -> None:
+        self.reducer.sync_enabled = is_boundary
+
+    def backward_end(self) -> None:
+        self.reducer.finish()
+
+    def _global_norm(self) -> float:
+        """L2 norm of the (still scaled) averaged gradients; inf or nan when fp16 overflowed."""
+        flats = self.reducer.flat_grads()
+        if not flats:
+            return 0.0
+        norms = torch.stack([torch.linalg.vector_norm(f, dtype=torch.float32) for f in flats])
+        return torch.linalg.vector_norm(norms).item()  # one device sync per step, as DeepSpeed
+
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary. Returns False when fp16 overflow skipped it."""
+        scaled_norm = self._global_norm()
+        self.overflow = not math.isfinite(scaled_norm) and self.scaler.dynamic
+        if self.overflow:
+            self.grad_norm = scaled_norm
+            self.scaler.update(True)
+            self.zero_grad()
+            return False
+        scale = self.scaler.loss_scale
+        self.grad_norm = scaled_norm / scale
+        multiplier = 1.0 / scale
+        if self.clip > 0:
+            clip_coef = self.clip / (self.grad_norm + 1e-6)
+            if clip_coef < 1.0:
+                multiplier *= clip_coef
+        if self.plan.mixed:
+            self._step_masters(multiplier)
+        else:
+            self._step_in_place(multiplier)
+        self.scaler.update(False)
+        self.zero_grad()
+        return True
+
+    def _step_in_place(self, multiplier: float) -> None:
+        flats = self.reducer.flat_grads()
+        if multiplier != 1.0:
+            torch._foreach_mul_(flats, multiplier)
+        if not self.reducer.grads_are_views:  # fp32 parameters accumulating in another dtype
+            for bucket in self.reducer.buckets:
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view.to(p.dtype)
+        self.optimizer.step()
+
+    def _step_masters(self, multiplier: float) -> None:
+        for bucket in self.reducer.buckets:
+            # fp32 accumulation buffers are used as the master gradients directly (zeroed after the step).
+            grad_flat = bucket.buffer.float() if bucket.buffer.dtype != torch.float32 else bucket.buffer
+            if multiplier != 1.0:
+                grad_flat.mul_(multiplier)
+            offset = 0
+            for p in bucket.params:
+                self.masters[p].grad = grad_flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        self.optimizer.step()
+        for bucket in self.reducer.buckets:
+            torch._foreach_copy_([p.data for p in bucket.params], [self.masters[p] for p in bucket.params])
+            for p in bucket.params:
+                self.masters[p].grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none  # gradients live in persistent buckets; zeroing them is the equivalent
+        self.reducer.zero()
+
+    # -- state ----------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        state = {
+            "zero_stage": 0,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "loss_scaler": self.scaler.state_dict(),
+        }
+        if self.plan.mixed:
+            state["fp32_master_weights"] = {self.names[p]: m for p, m in self.masters.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer_state_dict"])
+        self.scaler.load_state_dict(state["loss_scaler"])
+        if self.plan.mixed:
+            saved = state.get("fp32_master_weights")
+            if saved is None:
+                self.refresh_masters_from_module()
+                return
+            for p, master in self.masters.items():
+                name = self.names[p]
+                if name not in saved:
+                    raise KeyError(f"checkpoint has no fp32 master weight for parameter {name!r}")
+                master.copy_(saved[name])
+
+    def refresh_masters_from_module(self) -> None:
+        """Reset fp32 masters from the module's (possibly just loaded) low-precision parameters."""
+        for p, master in self.masters.items():
+            master.copy_(p.detach())

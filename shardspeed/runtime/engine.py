@@ -1,0 +1,346 @@
+"""The training engine `initialize` returns: forward, backward, step and the counters, composed of parts.
+
+The engine itself holds little logic. It owns the wrapped module and the counters, and delegates:
+gradient averaging and the optimizer step to the stage's optimizer wrapper (`runtime/data_parallel.py` for
+stage 0), loss scaling to `runtime/precision.py`, data to `runtime/data.py`, and checkpoints to
+`checkpoint/`. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardspeed import accelerator
+from shardspeed.config import ConfigError, ShardspeedConfig, resolve_batch_sizes
+from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
+from shardspeed.runtime.data import ShardedDataLoader
+from shardspeed.runtime.data_parallel import DataParallelOptimizer
+from shardspeed.runtime.grad_buckets import BucketedAllReducer
+from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
+from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
+from shardspeed.utils.logging import log_dist
+
+
+def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
+    """Make every rank start from rank 0's values: one flat broadcast per dtype, not one per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for same_dtype in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
+        dist.broadcast(flat, src=src, group=group)
+        pieces = flat.split([t.numel() for t in same_dtype])
+        torch._foreach_copy_([t.data for t in same_dtype], [p.view_as(t) for p, t in zip(pieces, same_dtype)])
+
+
+class ShardspeedEngine(nn.Module):
+    """DeepSpeed's `DeepSpeedEngine` contract: call it, `backward(loss)`, `step()` every micro-batch."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ShardspeedConfig,
+        *,
+        optimizer=None,
+        model_parameters=None,
+        training_data=None,
+        lr_scheduler=None,
+        mpu=None,
+        collate_fn=None,
+    ):
+        super().__init__()
+        self._config = config
+        self.config = config.raw
+        self.mpu = mpu
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size(self.dp_group)
+        self.dp_rank = dist.get_rank(self.dp_group)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = accelerator.device_for_local_rank(self.local_rank)
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._step_applied = False
+        self._window_loss = None
+
+        self.plan = PrecisionPlan.from_config(config)
+        self.module = model.to(device=self.device, dtype=self.plan.param_dtype)
+        _broadcast_from_rank0(list(self.module.parameters()) + list(self.module.buffers()), self.dp_group)
+
+        self.training_dataloader = (
+            self._make_dataloader(training_data, collate_fn) if training_data is not None else None
+        )
+        if model_parameters is None:
+            model_parameters = list(self.module.parameters())
+        client_optimizer = resolve_optimizer(optimizer, model_parameters, config)
+        self.optimizer = self._wrap_optimizer(client_optimizer) if client_optimizer is not None else None
+        self.basic_optimizer = client_optimizer
+        self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
+
+        self.timers = PhaseTimers(self.device, config.wall_clock_breakdown)
+        self.throughput = ThroughputMeter()
+        if self.global_rank == 0:
+            log_dist(
+                f"engine ready: world_size={self.world_size} zero_stage={self.zero_optimization_stage()} "
+                f"dtype={self.plan.param_dtype} micro_batch={self.train_micro_batch_size_per_gpu()} "
+                f"grad_accum={self.gradient_accumulation_steps()} train_batch={self.train_batch_size()}"
+            )
+
+    # -- construction helpers ------------------------------------------------------------------------------
+
+    def _make_dataloader(self, dataset, collate_fn) -> ShardedDataLoader:
+        return ShardedDataLoader(
+            dataset,
+            batch_size=self.train_micro_batch_size_per_gpu(),
+            num_replicas=self.world_size,
+            rank=self.dp_rank,
+            collate_fn=collate_fn,
+            drop_last=self._config.dataloader_drop_last,
+        )
+
+    def deepspeed_io(self, dataset, batch_size=None, route="train", pin_memory=True, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None):  # fmt: skip
+        """Build a data loader for `dataset` sharded over the data-parallel ranks (DeepSpeed's name)."""
+        return ShardedDataLoader(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            num_replicas=self.world_size,
+            rank=self.dp_rank,
+            collate_fn=collate_fn,
+            drop_last=self._config.dataloader_drop_last,
+            shuffle=route == "train",
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory,
+            data_sampler=data_sampler,
+        )
+
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer):
+        stage = self.zero_optimization_stage()
+        if stage != 0:
+            raise ConfigError(
+                f"zero_optimization.stage: stage {stage} is not implemented yet in this version; use stage 0"
+            )
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        zero_cfg = self._config.zero_optimization
+        reducer = BucketedAllReducer(
+            [p for _, p in named],
+            accum_dtype=self.plan.grad_accum_dtype,
+            comm_dtype=self.plan.comm_dtype,
+            bucket_numel=int(zero_cfg.reduce_bucket_size),
+            group=self.dp_group,
+            prescale_gradients=self._config.prescale_gradients,
+            gradient_predivide_factor=self._config.gradient_predivide_factor,
+        )
+        scaler = LossScaler.from_config(self._config.fp16) if self._config.fp16.enabled else NoScaler()
+        return DataParallelOptimizer(
+            optimizer,
+            named,
+            plan=self.plan,
+            scaler=scaler,
+            gradient_clipping=self._config.gradient_clipping,
+            reducer=reducer,
+        )
+
+    # -- the training loop ---------------------------------------------------------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        self.timers.start("forward")
+        if self._config.fp16.enabled and self._config.fp16.auto_cast:
+            inputs, kwargs = _cast_floating((inputs, kwargs), torch.float16)
+        out = self.module(*inputs, **kwargs)
+        self.timers.stop("forward")
+        return out
+
+    def backward(self, loss: torch.Tensor, release_loss: bool = False, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:  # fmt: skip
+        """Backpropagate `loss / gradient_accumulation_steps`; gradients are averaged at the boundary."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.backward needs an optimizer: pass one to initialize() or configure 'optimizer'"
+            )
+        self.timers.start("backward")
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1 and not self._in_no_sync:
+            loss = loss.float() / gas
+        detached = loss.detach()
+        self._window_loss = detached if self._window_loss is None else self._window_loss + detached
+        self.optimizer.backward_begin(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
+        self.optimizer.scaler.scale_loss(loss).backward(retain_graph=retain_graph)
+        self.optimizer.backward_end()
+        self.timers.stop("backward")
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call once per micro-batch; the optimizer runs at the accumulation boundary."""
+        if self._in_no_sync:
+            raise RuntimeError(
+                "engine.step() is not allowed inside engine.no_sync(); leave the context first"
+            )
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self.timers.start("step")
+            self._step_applied = self.optimizer.step()
+            if self._step_applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+                log_dist(f"fp16 overflow: step skipped, loss scale is now {self.optimizer.loss_scale}")
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self.throughput.add(self.train_batch_size())
+            self.timers.stop("step")
+            self._report_progress()
+        self.micro_steps += 1
+
+    def _report_progress(self) -> None:
+        every = self._config.steps_per_print
+        loss, self._window_loss = self._window_loss, None
+        if not every or self.global_steps % every != 0 or self.global_rank != 0:
+            return
+        parts = [
+            f"step={self.global_steps}",
+            f"skipped={self.skipped_steps}",
+            f"lr={[round(lr, 8) for lr in self.get_lr()]}",
+            f"loss={loss.item():.4f}" if loss is not None else "",
+            f"loss_scale={self.optimizer.loss_scale:g}" if self.fp16_enabled() else "",
+            f"samples/s={self.throughput.rate():.1f}",
+            self.timers.report() if self.timers.enabled else "",
+        ]
+        log_dist(" ".join(p for p in parts if p))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally without averaging them across ranks."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(
+                "no_sync() is not supported with ZeRO stage 2 or 3 (gradients are partitioned)"
+            )
+        if self._in_no_sync:
+            raise RuntimeError("no_sync() contexts cannot be nested")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = is_boundary
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    # -- checkpoints (implemented in shardspeed/checkpoint) -------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False) -> bool:  # fmt: skip
+        from shardspeed.checkpoint.engine_io import save_checkpoint
+
+        return save_checkpoint(
+            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
+        from shardspeed.checkpoint.engine_io import load_checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
+        return load_checkpoint(
+            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+            load_module_only,
+        )  # fmt: skip
+
+    # -- getters DeepSpeed users call ----------------------------------------------------------------------
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def get_batch_info(self):
+        return self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        micro = self.train_micro_batch_size_per_gpu()
+        if train_batch_size % (micro * self.world_size) != 0:
+            raise ValueError(
+                f"train_batch_size {train_batch_size} is not divisible by train_micro_batch_size_per_gpu "
+                f"({micro}) * world size ({self.world_size})"
+            )
+        gas = train_batch_size // (micro * self.world_size)
+        self._set_batch(train_batch_size, micro, gas)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        gas = self.gradient_accumulation_steps()
+        self._set_batch(micro_batch_size * gas * self.world_size, micro_batch_size, gas)
+
+    def _set_batch(self, train: int, micro: int, gas: int) -> None:
+        train, micro, gas = resolve_batch_sizes(train, micro, gas, self.world_size)
+        self._config.train_batch_size = train
+        self._config.train_micro_batch_size_per_gpu = micro
+        self._config.gradient_accumulation_steps = gas
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.basic_optimizer.param_groups] if self.basic_optimizer else []
+
+    def get_mom(self) -> list:
+        groups = self.basic_optimizer.param_groups if self.basic_optimizer else []
+        return [g.get("momentum", g.get("betas")) for g in groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.grad_norm if self.optimizer is not None else None
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale if self.optimizer is not None else 1.0
+
+    def destroy(self) -> None:
+        """Remove gradient hooks so the module can be used (or wrapped again) without this engine."""
+        if self.optimizer is not None:
+            self.optimizer.reducer.remove_hooks()
+
+
+def _cast_floating(obj, dtype: torch.dtype):
+    """Cast every floating tensor inside nested tuples/lists/dicts to `dtype` (fp16 `auto_cast`)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    return obj

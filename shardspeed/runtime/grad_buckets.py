@@ -1,0 +1,177 @@
+"""Gradient buckets for data parallelism: flat buffers, filled by gradient hooks, all-reduced while backward runs.
+
+Every trainable parameter owns a slice (a view) of one flat bucket buffer. Where the buffer's dtype is the
+parameter's dtype, `param.grad` *is* that view, so autograd accumulates micro-batches in place and nothing is
+copied. Where gradients accumulate in a wider dtype (bf16 parameters, fp32 accumulation), a hook adds each
+fresh gradient into the view and drops it.
+
+At the accumulation boundary the last hook of a bucket launches its all-reduce asynchronously, so
+communication of late layers overlaps the backward pass of early ones. Buckets are launched strictly in
+index order on every rank: Gloo and NCCL need the same sequence of collectives on all ranks, and a parameter
+that gets no gradient on one rank must not reorder it. `finish()` flushes what is left and waits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class GradBucket:
+    """One flat gradient buffer and the parameters whose gradients live in it."""
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.ready = [False] * len(params)
+        self.num_ready = 0
+        self.work = None  # the in-flight all-reduce
+        self.comm_buffer: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.num_ready = 0
+        self.work = None
+        self.comm_buffer = None
+
+
+class BucketedAllReducer:
+    """Averages gradients of `params` over `group` with bucketed, backward-overlapped all-reduces."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        accum_dtype: torch.dtype,
+        comm_dtype: torch.dtype,
+        bucket_numel: int,
+        group=None,
+        prescale_gradients: bool = False,
+        gradient_predivide_factor: float = 1.0,
+    ):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.comm_dtype = comm_dtype
+        self.prescale = prescale_gradients
+        self.predivide = gradient_predivide_factor
+        self.grads_are_views = all(p.dtype == accum_dtype for p in params)
+        self.buckets = self._build_buckets(params, accum_dtype, bucket_numel)
+        self.sync_enabled = True  # False on micro-steps inside the accumulation window
+        self._next_launch = 0
+        self._hooks = []
+        for bucket_index, bucket in enumerate(self.buckets):
+            for slot, p in enumerate(bucket.params):
+                if self.grads_are_views:
+                    p.grad = bucket.views[slot]
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(bucket_index, slot)))
+
+    @staticmethod
+    def _build_buckets(params, dtype, bucket_numel) -> list[GradBucket]:
+        # Gradients arrive roughly in reverse registration order, so the first bucket holds the last layers.
+        buckets, current, size = [], [], 0
+        device = params[0].device if params else torch.device("cpu")
+        for p in reversed(params):
+            if current and size + p.numel() > bucket_numel:
+                buckets.append(GradBucket(current, dtype, device))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        if current:
+            buckets.append(GradBucket(current, dtype, device))
+        return buckets
+
+    # -- backward-time hooks -------------------------------------------------------------------------------
+
+    def _make_hook(self, bucket_index: int, slot: int):
+        bucket = self.buckets[bucket_index]
+        view = bucket.views[slot]
+
+        def on_grad_accumulated(param: nn.Parameter) -> None:
+            grad = param.grad
+            if grad is not view:
+                # Either gradients accumulate in a wider dtype, or the user reset `.grad` (e.g. with
+                # model.zero_grad()), in which case autograd handed us a fresh tensor holding this micro-step.
+                if self.grads_are_views:
+                    view.copy_(grad)
+                    param.grad = view
+                else:
+                    view.add_(grad)
+                    param.grad = None
+            if self.sync_enabled:
+                self._mark_ready(bucket_index, slot)
+
+        return on_grad_accumulated
+
+    def _mark_ready(self, bucket_index: int, slot: int) -> None:
+        bucket = self.buckets[bucket_index]
+        if bucket.ready[slot]:
+            if bucket.work is not None:
+                raise RuntimeError(
+                    f"parameter of shape {tuple(bucket.params[slot].shape)} received a second gradient after "
+                    "its bucket was already all-reduced in this backward pass (a reentrant checkpoint or two "
+                    "backward calls per step?). Use non-reentrant activation checkpointing, or call "
+                    "engine.backward once per micro-batch."
+                )
+            return
+        bucket.ready[slot] = True
+        bucket.num_ready += 1
+        while self._next_launch < len(self.buckets):
+            nxt = self.buckets[self._next_launch]
+            if nxt.num_ready < len(nxt.params):
+                break
+            self._launch(nxt)
+            self._next_launch += 1
+
+    def _launch(self, bucket: GradBucket) -> None:
+        tensor = bucket.buffer
+        if self.prescale:
+            tensor.div_(self.world_size)
+        elif self.predivide != 1.0:
+            tensor.mul_(1.0 / self.predivide)
+        if tensor.dtype != self.comm_dtype:
+            bucket.comm_buffer = tensor.to(self.comm_dtype)
+            tensor = bucket.comm_buffer
+        bucket.work = dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    # -- engine-facing -------------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Launch buckets whose parameters got no gradient, wait for all, and turn sums into means."""
+        if not self.sync_enabled:
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        post = 1.0 if self.prescale else self.predivide / self.world_size
+        for bucket in self.buckets:
+            bucket.work.wait()
+            if bucket.comm_buffer is not None:
+                bucket.buffer.copy_(bucket.comm_buffer)
+            if post != 1.0:
+                bucket.buffer.mul_(post)
+            bucket.reset()
+        self._next_launch = 0
+
+    def flat_grads(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.buckets]
+
+    def zero(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            bucket.reset()
+            if self.grads_are_views:
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view
+        self._next_launch = 0
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

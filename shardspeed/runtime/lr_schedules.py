@@ -1,0 +1,584 @@
+"""DeepSpeed's LR schedules with DeepSpeed's formulas, and `build_lr_scheduler` for the config's
+`"scheduler"` block.
+
+Every schedule counts optimizer steps in `last_batch_iteration` (t): -1 after construction, 0 after the first
+`step()`. Construction already writes the schedule's starting lr into the optimizer (the engine steps the
+optimizer before the schedule, so the first update uses it). `state_dict()` is DeepSpeed's
+`{'last_batch_iteration': t}` (plus the base lrs for WarmupCosineLR); `load_state_dict` restores t and writes
+the lr for t back into the optimizer, so a resumed run continues exactly.
+
+Differences from DeepSpeed, on purpose (docs/compatibility.md):
+* OneCycle's momentum cycling keeps each group's own beta2 (DeepSpeed overwrites it with 0.99) and cycles
+  `momentum` for optimizers without `betas` such as SGD (DeepSpeed disables cycling there).
+* WarmupCosineLR holds `cos_min_ratio` after `total_num_steps` (DeepSpeed's cosine climbs back up), and
+  starts at `warmup_min_ratio * lr` at construction.
+* `get_last_lr()` works before the first `step()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import inspect
+import math
+from typing import Any
+
+import torch
+
+from shardspeed.config.errors import ConfigError
+from shardspeed.utils.logging import logger
+
+__all__ = [
+    "VALID_LR_SCHEDULES",
+    "LRRangeTest",
+    "OneCycle",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "add_tuning_arguments",
+    "build_lr_scheduler",
+    "get_config_from_args",
+]
+
+WARMUP_LOG_RATE = "log"
+WARMUP_LINEAR_RATE = "linear"
+_KEY = "scheduler.params"
+
+
+# --- argument checks: every bad value is a ConfigError naming scheduler.params.<name> -----------------
+
+
+def _number(name: str, value: Any, *, minimum: float | None = 0.0, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{_KEY}.{name}: expected a number, got {value!r}")
+    if positive and not value > 0:
+        raise ConfigError(f"{_KEY}.{name}: must be > 0, got {value!r}")
+    if minimum is not None and not value >= minimum:
+        raise ConfigError(f"{_KEY}.{name}: must be >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"{_KEY}.{name}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{_KEY}.{name}: must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _per_group(optimizer: torch.optim.Optimizer, name: str, value: Any) -> list[float]:
+    """A scalar repeated for every param group, or a list with one value per group."""
+    groups = len(optimizer.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != groups:
+            raise ConfigError(
+                f"{_KEY}.{name}: expected {groups} values (one per param group), got {len(value)}"
+            )
+        return [_number(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return [_number(name, value)] * groups
+
+
+def _warmup_type(value: Any) -> str:
+    if value in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
+        return value
+    logger.warning(f"{_KEY}.warmup_type: unknown warmup_type {value!r}; using 'log' (as DeepSpeed does)")
+    return WARMUP_LOG_RATE
+
+
+def _warmup_fraction(warmup_type: str, t: int, warmup_steps: int) -> float:
+    """How far warm-up has got at iteration t (< warmup_steps): ln(t+1)/ln(W) or t/W."""
+    if warmup_type == WARMUP_LOG_RATE:
+        return math.log(t + 1) / math.log(warmup_steps)
+    return t / warmup_steps
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer itself, looking through a wrapper that exposes it as `.optimizer`."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    if hasattr(optimizer, "param_groups"):
+        return optimizer
+    raise TypeError(
+        f"{type(optimizer).__name__} is not a torch.optim.Optimizer (nor wraps one as .optimizer)"
+    )
+
+
+# --- the schedules ------------------------------------------------------------------------------------
+
+
+class _Schedule:
+    """What every DeepSpeed schedule shares: the iteration counter, writing lrs, state_dict."""
+
+    def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
+        self.optimizer = unwrap_optimizer(optimizer)
+        self.last_batch_iteration = _integer("last_batch_iteration", last_batch_iteration, minimum=-1)
+        self._last_lr: list[float] = []
+
+    def get_lr(self) -> list[float]:
+        """The lr of every param group at the current iteration (does not write them)."""
+        raise NotImplementedError
+
+    def get_last_lr(self) -> list[float]:
+        """The lrs last written into the optimizer."""
+        return list(self._last_lr)
+
+    def step(self, last_batch_iteration: int | None = None, *, batch_iteration: int | None = None) -> None:
+        """Advance one iteration (or jump to the given one) and write its lrs into the optimizer.
+        `batch_iteration` is the keyword DeepSpeed's LRRangeTest and OneCycle use for the same thing."""
+        target = last_batch_iteration if last_batch_iteration is not None else batch_iteration
+        self.last_batch_iteration = self.last_batch_iteration + 1 if target is None else int(target)
+        self._apply()
+
+    def _apply(self) -> None:
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_batch_iteration = int(state_dict["last_batch_iteration"])
+        self._apply()
+
+
+class LRRangeTest(_Schedule):
+    """LR range test: `lr = min_lr * (1 + step_rate * i)` with `i = (t + 1) / step_size`, floored when
+    `lr_range_test_staircase`. `lr_range_test_min_lr` may be a list, one per param group."""
+
+    def __init__(
+        self,
+        optimizer,
+        lr_range_test_min_lr: float | list[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        self.min_lr = _per_group(self.optimizer, "lr_range_test_min_lr", lr_range_test_min_lr)
+        self.step_size = _number("lr_range_test_step_size", lr_range_test_step_size, positive=True)
+        self.step_rate = _number("lr_range_test_step_rate", lr_range_test_step_rate)
+        self.staircase = bool(lr_range_test_staircase)
+        self._apply()
+
+    def _interval(self) -> float:
+        interval = (self.last_batch_iteration + 1) / self.step_size
+        return float(math.floor(interval)) if self.staircase else interval
+
+    def get_lr(self) -> list[float]:
+        increase = 1.0 + self.step_rate * self._interval()
+        return [min_lr * increase for min_lr in self.min_lr]
+
+
+class OneCycle(_Schedule):
+    """1Cycle: lr rises min→max over `cycle_first_step_size` iterations and falls back over
+    `cycle_second_step_size`, then decays as `min_lr / (1 + decay_lr_rate * d / decay_step_size)`.
+    With `cycle_momentum`, beta1 (or `momentum`) moves the opposite way between `cycle_max_mom` and
+    `cycle_min_mom`, then grows as `max_mom * (1 + decay_mom_rate * d / decay_step_size)`.
+    The stair-count arguments are accepted and, as in DeepSpeed, unused."""
+
+    def __init__(
+        self,
+        optimizer,
+        cycle_min_lr: float | list[float],
+        cycle_max_lr: float | list[float],
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float = 0.8,
+        cycle_max_mom: float = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        first = _number("cycle_first_step_size", cycle_first_step_size, positive=True)
+        second = first if cycle_second_step_size is None else cycle_second_step_size
+        second = _number("cycle_second_step_size", second, positive=True)
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
+        self.decay_step_size = _number("decay_step_size", decay_step_size)
+        self.min_lrs = _per_group(self.optimizer, "cycle_min_lr", cycle_min_lr)
+        self.max_lrs = _per_group(self.optimizer, "cycle_max_lr", cycle_max_lr)
+        self.decay_lr_rate = _number("decay_lr_rate", decay_lr_rate, minimum=None)
+        self.min_mom = _number("cycle_min_mom", cycle_min_mom)
+        self.max_mom = _number("cycle_max_mom", cycle_max_mom)
+        self.decay_mom_rate = _number("decay_mom_rate", decay_mom_rate, minimum=None)
+        self.skip_lr_decay = self.decay_step_size == 0 or self.decay_lr_rate == 0
+        self.skip_mom_decay = self.decay_step_size == 0 or self.decay_mom_rate == 0
+        self.momentum_key = self._momentum_key() if cycle_momentum else None
+        self.cycle_momentum = self.momentum_key is not None
+        self._apply()
+        if self.last_batch_iteration == -1 and self.cycle_momentum:
+            # As DeepSpeed: the optimizer starts at the *minimum* momentum, before the first step().
+            self._write_momentum([self.min_mom] * len(self.optimizer.param_groups))
+
+    def _momentum_key(self) -> str | None:
+        defaults = self.optimizer.defaults
+        if "betas" in defaults:
+            return "betas"
+        if "momentum" in defaults:
+            return "momentum"
+        logger.warning(
+            f"OneCycle: cycle_momentum is disabled because {type(self.optimizer).__name__} has neither "
+            "betas nor momentum"
+        )
+        return None
+
+    def _scale_factor(self) -> float:
+        iteration = self.last_batch_iteration + 1
+        x = 1.0 + iteration / self.total_size - math.floor(1.0 + iteration / self.total_size)
+        if x <= self.step_ratio:
+            return x / self.step_ratio
+        return (x - 1.0) / (self.step_ratio - 1.0)
+
+    def _decay_interval(self) -> float:
+        return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale_factor()
+            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        if self.skip_lr_decay:
+            return list(self.min_lrs)
+        factor = 1.0 + self.decay_lr_rate * self._decay_interval()
+        return [lo / factor for lo in self.min_lrs]
+
+    def get_mom(self) -> list[float] | None:
+        """beta1 (or momentum) of every group at the current iteration; None without momentum cycling."""
+        if not self.cycle_momentum:
+            return None
+        groups = len(self.optimizer.param_groups)
+        if self.last_batch_iteration < self.total_size:
+            return [self.max_mom - (self.max_mom - self.min_mom) * self._scale_factor()] * groups
+        if self.skip_mom_decay:
+            return [self.max_mom] * groups
+        return [self.max_mom * (1.0 + self.decay_mom_rate * self._decay_interval())] * groups
+
+    def _write_momentum(self, momenta: list[float]) -> None:
+        for group, momentum in zip(self.optimizer.param_groups, momenta):
+            if self.momentum_key == "betas":
+                group["betas"] = (momentum, group["betas"][1])
+            else:
+                group["momentum"] = momentum
+
+    def _apply(self) -> None:
+        super()._apply()
+        momenta = self.get_mom()
+        if momenta is not None:
+            self._write_momentum(momenta)
+
+
+class WarmupLR(_Schedule):
+    """Warm-up from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps` (at least 2) iterations,
+    logarithmic (`ln(t+1)/ln(W)`) or linear (`t/W`), then constant. Min and max may be per-group lists."""
+
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr: float | list[float] = 0.0,
+        warmup_max_lr: float | list[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        self.min_lrs = _per_group(self.optimizer, "warmup_min_lr", warmup_min_lr)
+        self.max_lrs = _per_group(self.optimizer, "warmup_max_lr", warmup_max_lr)
+        self.delta_lrs = [hi - lo for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        self.warmup_num_steps = max(2, _integer("warmup_num_steps", warmup_num_steps))
+        self.warmup_type = _warmup_type(warmup_type)
+        self._setup()
+        self._apply()
+
+    def _setup(self) -> None:
+        """Hook for subclasses to check their own arguments before the first lr is written."""
+
+    def _gamma(self) -> float:
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return _warmup_fraction(self.warmup_type, self.last_batch_iteration, self.warmup_num_steps)
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma()
+        return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then linear decay to 0 at `total_num_steps`: `gamma = max(0, (T - t) / max(1, T - W))`."""
+
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int,
+        warmup_min_lr: float | list[float] = 0.0,
+        warmup_max_lr: float | list[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        self.total_num_steps = _integer("total_num_steps", total_num_steps, minimum=1)
+        super().__init__(
+            optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration
+        )
+
+    def _setup(self) -> None:
+        if self.total_num_steps < self.warmup_num_steps:
+            logger.warning(
+                f"WarmupDecayLR: total_num_steps {self.total_num_steps} is less than "
+                f"warmup_num_steps {self.warmup_num_steps}"
+            )
+
+    def _gamma(self) -> float:
+        t = self.last_batch_iteration
+        if t < self.warmup_num_steps:
+            return _warmup_fraction(self.warmup_type, t, self.warmup_num_steps)
+        return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(_Schedule):
+    """Multiplies each group's lr at construction by a ratio: warm-up from `warmup_min_ratio` to 1 over
+    `warmup_num_steps` (log or linear), then cosine decay to `cos_min_ratio` at `total_num_steps`, held
+    there afterwards."""
+
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        self.total_num_steps = _integer("total_num_steps", total_num_steps, minimum=1)
+        self.warmup_min_ratio = _number("warmup_min_ratio", warmup_min_ratio)
+        self.warmup_num_steps = max(2, _integer("warmup_num_steps", warmup_num_steps))
+        self.cos_min_ratio = _number("cos_min_ratio", cos_min_ratio)
+        self.warmup_type = _warmup_type(warmup_type)
+        if self.total_num_steps < self.warmup_num_steps:
+            logger.warning(
+                f"WarmupCosineLR: total_num_steps {self.total_num_steps} is less than "
+                f"warmup_num_steps {self.warmup_num_steps}"
+            )
+        self.org_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self._apply()
+
+    def get_lr_ratio(self) -> float:
+        t = self.last_batch_iteration
+        if t < 0:
+            return self.warmup_min_ratio
+        if t < self.warmup_num_steps:
+            fraction = _warmup_fraction(self.warmup_type, t, self.warmup_num_steps)
+            return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * fraction
+        progress = (t - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps)
+        cosine = (1.0 + math.cos(math.pi * min(1.0, progress))) / 2.0
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self) -> list[float]:
+        ratio = self.get_lr_ratio()
+        return [lr * ratio for lr in self.org_lrs]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_batch_iteration": self.last_batch_iteration, "org_lrs": list(self.org_lrs)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A DeepSpeed checkpoint has no org_lrs: keep the ones read at construction.
+        self.org_lrs = list(state_dict.get("org_lrs", self.org_lrs))
+        super().load_state_dict(state_dict)
+
+
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+_DEEPSPEED_SCHEDULES = {
+    cls.__name__.lower(): cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)
+}
+
+
+# --- building from config -----------------------------------------------------------------------------
+
+
+def _torch_schedules() -> dict[str, type]:
+    module = torch.optim.lr_scheduler
+    bases = (module.LRScheduler, module.ReduceLROnPlateau)
+    hidden = {"LRScheduler", "_LRScheduler"}
+    return {
+        name: obj
+        for name, obj in vars(module).items()
+        if isinstance(obj, type)
+        and issubclass(obj, bases)
+        and name not in hidden
+        and not name.startswith("_")
+    }
+
+
+def _find_schedule(type_name: Any) -> type:
+    if not isinstance(type_name, str) or not type_name:
+        raise ConfigError(f"scheduler.type: expected a schedule name, got {type_name!r}")
+    if type_name.lower() in _DEEPSPEED_SCHEDULES:
+        return _DEEPSPEED_SCHEDULES[type_name.lower()]
+    torch_schedules = _torch_schedules()
+    if type_name in torch_schedules:
+        return torch_schedules[type_name]
+    folded = {name.lower(): cls for name, cls in torch_schedules.items()}
+    if type_name.lower() in folded:
+        return folded[type_name.lower()]
+    names = VALID_LR_SCHEDULES + sorted(torch_schedules)
+    close = difflib.get_close_matches(type_name, names, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(
+        f"scheduler.type: unknown schedule {type_name!r}{hint} Valid: DeepSpeed's {', '.join(VALID_LR_SCHEDULES)} "
+        "or any torch.optim.lr_scheduler class"
+    )
+
+
+def _check_params(cls: type, params: dict[str, Any]) -> None:
+    signature = inspect.signature(cls.__init__)
+    arguments = [p for p in list(signature.parameters.values())[2:] if p.kind is not p.VAR_POSITIONAL]
+    if any(p.kind is p.VAR_KEYWORD for p in arguments):
+        return
+    accepted = [p.name for p in arguments]
+    for key in params:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"{_KEY}.{key}: not a parameter of {cls.__name__}; {hint}accepted: {', '.join(accepted)}"
+            )
+    missing = [p.name for p in arguments if p.default is p.empty and p.name not in params]
+    if missing:
+        raise ConfigError(f"{_KEY}.{missing[0]}: required by {cls.__name__} but not given")
+
+
+def build_lr_scheduler(type_name: str, params: dict[str, Any] | None, optimizer: Any):
+    """The schedule named by the config's `scheduler.type` with `scheduler.params`, over `optimizer`
+    (a torch optimizer or a wrapper exposing one as `.optimizer`). DeepSpeed's schedule names are matched
+    case-insensitively first, then `torch.optim.lr_scheduler` classes (exact name, then any case)."""
+    cls = _find_schedule(type_name)
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"scheduler.params: expected an object, got {params!r}")
+    params = dict(params or {})
+    _check_params(cls, params)
+    if cls in _DEEPSPEED_SCHEDULES.values():
+        return cls(optimizer, **params)
+    try:
+        return cls(unwrap_optimizer(optimizer), **params)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{_KEY}: {cls.__name__} refused {params}: {error}") from error
+
+
+# --- command-line flags (DeepSpeed's `add_tuning_arguments`) ------------------------------------------
+
+
+def _str_to_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "y", "on"):
+        return True
+    if lowered in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
+
+
+def add_tuning_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's LR-schedule flags (`--lr_schedule`, `--lr_range_test_*`, `--cycle_*`, `--warmup_*`)."""
+    group = parser.add_argument_group("Convergence Tuning", "Convergence tuning configurations")
+    group.add_argument("--lr_schedule", type=str, default=None, help="LR schedule for training.")
+    group.add_argument("--lr_range_test_min_lr", type=float, default=0.001, help="Starting lr value.")
+    group.add_argument(
+        "--lr_range_test_step_rate", type=float, default=1.0, help="Scaling rate for LR range test."
+    )
+    group.add_argument(
+        "--lr_range_test_step_size", type=int, default=1000, help="Training steps per LR change."
+    )
+    group.add_argument(
+        "--lr_range_test_staircase",
+        type=_str_to_bool,
+        default=False,
+        help="Use staircase scaling for LR range test.",
+    )
+    group.add_argument(
+        "--cycle_first_step_size", type=int, default=1000, help="Size of first step of 1Cycle schedule."
+    )
+    group.add_argument(
+        "--cycle_first_stair_count", type=int, default=-1, help="First stair count for 1Cycle schedule."
+    )
+    group.add_argument(
+        "--cycle_second_step_size", type=int, default=-1, help="Size of second step of 1Cycle schedule."
+    )
+    group.add_argument(
+        "--cycle_second_stair_count", type=int, default=-1, help="Second stair count for 1Cycle."
+    )
+    group.add_argument(
+        "--decay_step_size", type=int, default=1000, help="Size of intervals for post-cycle decay."
+    )
+    group.add_argument("--cycle_min_lr", type=float, default=0.01, help="1Cycle LR lower bound.")
+    group.add_argument("--cycle_max_lr", type=float, default=0.1, help="1Cycle LR upper bound.")
+    group.add_argument("--decay_lr_rate", type=float, default=0.0, help="Post-cycle LR decay rate.")
+    group.add_argument(
+        "--cycle_momentum", default=False, action="store_true", help="Enable 1Cycle momentum schedule."
+    )
+    group.add_argument("--cycle_min_mom", type=float, default=0.8, help="1Cycle momentum lower bound.")
+    group.add_argument("--cycle_max_mom", type=float, default=0.9, help="1Cycle momentum upper bound.")
+    group.add_argument("--decay_mom_rate", type=float, default=0.0, help="Post-cycle momentum decay rate.")
+    group.add_argument("--warmup_min_lr", type=float, default=0, help="WarmupLR minimum/initial LR value.")
+    group.add_argument("--warmup_max_lr", type=float, default=0.001, help="WarmupLR maximum LR value.")
+    group.add_argument(
+        "--warmup_num_steps", type=int, default=1000, help="WarmupLR step count for LR warmup."
+    )
+    group.add_argument(
+        "--warmup_type", type=str, default=WARMUP_LOG_RATE, help="WarmupLR increasing function."
+    )
+    return parser
+
+
+_FLAGS_OF = {
+    "LRRangeTest": [
+        "lr_range_test_min_lr",
+        "lr_range_test_step_rate",
+        "lr_range_test_step_size",
+        "lr_range_test_staircase",
+    ],
+    "OneCycle": [
+        "cycle_first_step_size",
+        "cycle_first_stair_count",
+        "cycle_second_step_size",
+        "cycle_second_stair_count",
+        "decay_step_size",
+        "cycle_min_lr",
+        "cycle_max_lr",
+        "decay_lr_rate",
+        "cycle_momentum",
+        "cycle_min_mom",
+        "cycle_max_mom",
+        "decay_mom_rate",
+    ],
+    "WarmupLR": ["warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"],
+}
+
+
+def get_config_from_args(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]:
+    """`({'type': ..., 'params': {...}}, None)` from the flags of `add_tuning_arguments`, or `(None, why)`.
+    -1 (the flags' "unset") for the OneCycle second step size and stair counts means "use the default"."""
+    name = getattr(args, "lr_schedule", None)
+    if name is None:
+        return None, "--lr_schedule not specified on command line"
+    if name not in _FLAGS_OF:
+        return None, f"{name} is not supported from the command line (supported: {', '.join(_FLAGS_OF)})"
+    params = {key: getattr(args, key) for key in _FLAGS_OF[name] if hasattr(args, key)}
+    for key in ("cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count"):
+        if params.get(key) == -1:
+            del params[key]
+    return {"type": name, "params": params}, None

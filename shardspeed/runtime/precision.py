@@ -1,0 +1,146 @@
+"""Mixed precision: which dtypes a run uses, and the fp16 loss scaler.
+
+DeepSpeed's contract, kept here: with fp16 or bf16 enabled the module's parameters are cast to that dtype
+(users feed half-precision inputs), the optimizer works on fp32 master copies, and fp16 multiplies the loss
+by a scale so small gradients survive the backward pass. The scaler below is DeepSpeed's state machine
+(reference §2.2): an overflowing step is skipped and the scale halves once hysteresis runs out; after
+`loss_scale_window` clean steps it doubles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The dtypes of one run: parameters/activations, gradient accumulation and communication."""
+
+    param_dtype: torch.dtype
+    grad_accum_dtype: torch.dtype
+    comm_dtype: torch.dtype
+
+    @property
+    def mixed(self) -> bool:
+        """True when fp32 master weights live beside lower-precision module parameters."""
+        return self.param_dtype != torch.float32
+
+    @classmethod
+    def from_config(cls, cfg) -> PrecisionPlan:
+        if cfg.fp16.enabled:
+            param = torch.float16
+        elif cfg.bf16.enabled:
+            param = torch.bfloat16
+        else:
+            param = torch.float32
+        accum = cfg.data_types.grad_accum_dtype
+        if accum is not None:
+            grad_accum = DTYPES[accum]
+        elif param == torch.bfloat16 and not cfg.zero_enabled:
+            # bf16's 8-bit mantissa loses small contributions when summing micro-batches; DeepSpeed's bf16
+            # optimizer accumulates in fp32 for the same reason (reference §2.2).
+            grad_accum = torch.float32
+        else:
+            grad_accum = param
+        comm = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else grad_accum
+        return cls(param, grad_accum, comm)
+
+
+class LossScaler:
+    """DeepSpeed's dynamic loss scaler (or a static scale when `dynamic` is False).
+
+    `update(overflow)` is called once per optimizer step with the overflow flag agreed by all ranks.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        dynamic: bool = True,
+        scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 1.0,
+        scale_factor: float = 2.0,
+    ):
+        self.cur_scale = float(init_scale)
+        self.dynamic = dynamic
+        self.scale_window = scale_window
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = float(min_scale)
+        self.scale_factor = scale_factor
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.cur_hysteresis = hysteresis
+
+    @classmethod
+    def from_config(cls, fp16_cfg) -> LossScaler:
+        if fp16_cfg.loss_scale > 0:
+            return cls(init_scale=fp16_cfg.loss_scale, dynamic=False)
+        return cls(
+            init_scale=2.0**fp16_cfg.initial_scale_power,
+            scale_window=fp16_cfg.loss_scale_window,
+            hysteresis=fp16_cfg.hysteresis,
+            consecutive_hysteresis=fp16_cfg.consecutive_hysteresis,
+            min_scale=fp16_cfg.min_loss_scale,
+        )
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.float() * self.cur_scale
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale:
+                    raise FloatingPointError(
+                        f"fp16 loss scale is already at its minimum ({self.min_scale}) and gradients still "
+                        "overflow: the model's values do not fit fp16 (a model pretrained in bf16 often "
+                        "doesn't). Use bf16, or lower fp16.min_loss_scale / raise fp16.hysteresis."
+                    )
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.hysteresis
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.hysteresis
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "cur_scale": self.cur_scale,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "cur_hysteresis": self.cur_hysteresis,
+            "dynamic": self.dynamic,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cur_scale = float(state["cur_scale"])
+        self.cur_iter = int(state["cur_iter"])
+        self.last_overflow_iter = int(state["last_overflow_iter"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])
+
+
+class NoScaler(LossScaler):
+    """fp32 and bf16 need no loss scaling: a scale of exactly 1 that never changes."""
+
+    def __init__(self):
+        super().__init__(init_scale=1.0, dynamic=False)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss

@@ -1,0 +1,56 @@
+"""Wall-clock timers for `wall_clock_breakdown` and throughput reporting."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from shardspeed import accelerator
+
+
+class PhaseTimers:
+    """Accumulates time spent in forward/backward/step between two reports.
+
+    Timing synchronises the device first (CUDA kernels are asynchronous), which costs throughput, so the
+    engine only times phases when `wall_clock_breakdown` is on.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device = device
+        self.enabled = enabled
+        self.totals: dict[str, float] = defaultdict(float)
+        self._started: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        if self.enabled:
+            accelerator.synchronize(self.device)
+            self._started[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if self.enabled and name in self._started:
+            accelerator.synchronize(self.device)
+            self.totals[name] += time.perf_counter() - self._started.pop(name)
+
+    def report(self) -> str:
+        text = " | ".join(f"{name}: {1000 * total:.1f} ms" for name, total in self.totals.items())
+        self.totals.clear()
+        return text
+
+
+class ThroughputMeter:
+    """Samples per second over the steps since the last report."""
+
+    def __init__(self):
+        self._t0 = time.perf_counter()
+        self._samples = 0
+
+    def add(self, samples: int) -> None:
+        self._samples += samples
+
+    def rate(self) -> float:
+        now = time.perf_counter()
+        rate = self._samples / max(now - self._t0, 1e-9)
+        self._t0, self._samples = now, 0
+        return rate
