@@ -64,22 +64,56 @@ def train_engine(engine, data: torch.Tensor, steps: range, rank: int, world: int
     return losses
 
 
-def engine_run(config: dict, world: int, steps: int, seed: int = 0, model_kwargs=None) -> dict:
+def build_model(frozen: bool = False, **model_kwargs) -> TinyGPT:
+    model = TinyGPT(**model_kwargs)
+    if frozen:
+        model.pos.requires_grad_(False)  # a frozen parameter: never updated, never reduced
+    return model
+
+
+def param_groups(model, two_groups: bool):
+    """One group, or two with different weight decay (matrices decay, vectors don't) — as GPT trainers do."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not two_groups:
+        return trainable
+    return [
+        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": 0.01},
+        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def engine_run(config: dict, world: int, steps: int, seed: int = 0, options=None) -> dict:
     """Per-rank body: build the tiny GPT and an engine, train `steps` optimizer steps, return parameters."""
     import torch.distributed as dist
 
     import shardspeed
 
+    options = options or {}
     torch.manual_seed(seed)
-    engine, *_ = shardspeed.initialize(model=TinyGPT(**(model_kwargs or {})), config=copy.deepcopy(config))
+    model = build_model(options.get("frozen", False))
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, options.get("groups", False)),
+        config=copy.deepcopy(config),
+    )
     data = token_batches(steps, engine.train_batch_size())
     train_engine(engine, data, range(steps), dist.get_rank(), world)
+    return summarize(engine)
+
+
+def summarize(engine) -> dict:
     masters = {}
-    if engine.optimizer.plan.mixed:
+    if engine.optimizer.plan.mixed and engine.zero_optimization_stage() == 0:
         names = {p: n for n, p in engine.module.named_parameters()}
         masters = {names[p]: m.clone() for p, m in engine.optimizer.masters.items()}
-    return {"params": params_of(engine.module), "masters": masters, "lr": engine.get_lr(), "global_steps": engine.global_steps,
-            "skipped": engine.skipped_steps, "norm": engine.get_global_grad_norm()}  # fmt: skip
+    return {
+        "params": params_of(engine.module),
+        "masters": masters,
+        "lr": engine.get_lr(),
+        "global_steps": engine.global_steps,
+        "skipped": engine.skipped_steps,
+        "norm": engine.get_global_grad_norm(),
+    }
 
 
 def warmup_lr(step: int) -> float:
@@ -90,11 +124,14 @@ def warmup_lr(step: int) -> float:
     return MIN_LR + (LR - MIN_LR) * min(1.0, t / w)
 
 
-def reference_run(steps: int, world: int, micro: int = 2, gas: int = 2, clip: float = 0.5, seed: int = 0):
+def reference_run(steps: int, world: int, micro: int = 2, gas: int = 2, clip: float = 0.5, seed: int = 0,
+                  options=None):  # fmt: skip
     """Single-process reference: the same global batches, plain torch AdamW, torch's clip_grad_norm_."""
+    options = options or {}
     torch.manual_seed(seed)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    model = build_model(options.get("frozen", False))
+    groups = param_groups(model, options.get("groups", False))
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
     data = token_batches(steps, micro * gas * world)
     for step in range(steps):
         for group in opt.param_groups:

@@ -86,7 +86,8 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
         "buffer_names": [n for n, _ in engine.module.named_buffers()],
         "param_shapes": {n: tuple(p.shape) for n, p in engine.module.named_parameters()},
         "frozen_param_names": frozen,
-        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+        # Stage 0 keeps the (replicated) optimizer state here; ZeRO stages write one file per rank.
+        "optimizer": engine.optimizer.state_dict() if _replicated_optimizer(engine) else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "data_sampler": engine.training_dataloader.state_dict() if engine.training_dataloader else None,
         "global_steps": engine.global_steps,
@@ -124,6 +125,10 @@ def save_checkpoint(
         files.save_file(
             _model_states(engine, client_state, exclude_frozen), staging / files.model_states_name()
         )
+    if engine.optimizer is not None and not _replicated_optimizer(engine):
+        partition = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config,
+                     "ds_version": __version__}  # fmt: skip
+        files.save_file(partition, staging / files.zero_optim_states_name(engine.dp_rank))
     files.save_file(_rng_state(), staging / files.rng_states_name(rank))
     dist.barrier()
     if rank == 0:
@@ -199,11 +204,18 @@ def _load_module(engine, state: dict, strict: bool, path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} does not match the model: {err}") from err
 
 
+def _replicated_optimizer(engine) -> bool:
+    return engine.optimizer is not None and engine.optimizer.zero_stage == 0
+
+
 def _load_optimizer(engine, state: dict, load_optimizer_states: bool, path: Path) -> None:
     optimizer = engine.optimizer
     if optimizer is None:
         return
-    saved = state.get("optimizer")
+    if optimizer.zero_stage == 0 or not load_optimizer_states:
+        saved = state.get("optimizer")
+    else:
+        saved = files.load_file(path / files.zero_optim_states_name(engine.dp_rank))["optimizer_state_dict"]
     if not load_optimizer_states or saved is None:
         if hasattr(optimizer, "refresh_masters_from_module"):
             optimizer.refresh_masters_from_module()

@@ -25,6 +25,11 @@ def model_states_name(mp_rank: int = 0) -> str:
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def zero_optim_states_name(dp_rank: int, mp_rank: int = 0) -> str:
+    """Per-rank optimizer partition of a ZeRO stage >= 1 checkpoint (DeepSpeed's name)."""
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
 def rng_states_name(rank: int) -> str:
     return f"rng_states_rank_{rank}.pt"
 

@@ -143,6 +143,9 @@ class DataParallelOptimizer:
         del set_to_none  # gradients live in persistent buckets; zeroing them is the equivalent
         self.reducer.zero()
 
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+
     # -- state ----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -20,10 +20,12 @@ from shardspeed.config import ConfigError, ShardspeedConfig, resolve_batch_sizes
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.data import ShardedDataLoader
 from shardspeed.runtime.data_parallel import DataParallelOptimizer
-from shardspeed.runtime.grad_buckets import BucketedAllReducer
+from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
+from shardspeed.runtime.optim import is_zero_tested_optimizer
 from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
 from shardspeed.utils.logging import log_dist
+from shardspeed.zero.optimizer import ZeroOptimizer
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -122,30 +124,41 @@ class ShardspeedEngine(nn.Module):
         )
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer):
+        """Wrap the torch optimizer in the stage's wrapper, which owns gradients, masters and the step."""
         stage = self.zero_optimization_stage()
-        if stage != 0:
-            raise ConfigError(
-                f"zero_optimization.stage: stage {stage} is not implemented yet in this version; use stage 0"
-            )
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         zero_cfg = self._config.zero_optimization
-        reducer = BucketedAllReducer(
-            [p for _, p in named],
-            accum_dtype=self.plan.grad_accum_dtype,
-            comm_dtype=self.plan.comm_dtype,
-            bucket_numel=int(zero_cfg.reduce_bucket_size),
+        scaler = LossScaler.from_config(self._config.fp16) if self._config.fp16.enabled else NoScaler()
+        common = dict(plan=self.plan, scaler=scaler, gradient_clipping=self._config.gradient_clipping)
+        comm = dict(
             group=self.dp_group,
             prescale_gradients=self._config.prescale_gradients,
             gradient_predivide_factor=self._config.gradient_predivide_factor,
         )
-        scaler = LossScaler.from_config(self._config.fp16) if self._config.fp16.enabled else NoScaler()
-        return DataParallelOptimizer(
-            optimizer,
-            named,
-            plan=self.plan,
-            scaler=scaler,
-            gradient_clipping=self._config.gradient_clipping,
-            reducer=reducer,
+        if stage == 0:
+            reducer = BucketedAllReducer(
+                bucket_layout([[p for _, p in named]], int(zero_cfg.reduce_bucket_size)),
+                accum_dtype=self.plan.grad_accum_dtype,
+                comm_dtype=self.plan.comm_dtype,
+                **comm,
+            )
+            return DataParallelOptimizer(optimizer, named, reducer=reducer, **common)
+        if stage == 3:
+            raise ConfigError(
+                "zero_optimization.stage: stage 3 is not implemented yet in this version; use 0, 1 or 2"
+            )
+        self._check_zero_optimizer(optimizer)
+        return ZeroOptimizer(
+            optimizer, named, stage=stage, bucket_numel=int(zero_cfg.reduce_bucket_size), **common, **comm
+        )
+
+    def _check_zero_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if is_zero_tested_optimizer(optimizer) or self._config.zero_allow_untested_optimizer:
+            return
+        raise ConfigError(
+            f"zero_allow_untested_optimizer: {type(optimizer).__name__} is not known to work with ZeRO, which "
+            "steps flat shards instead of whole tensors (a per-tensor rule such as LAMB's trust ratio would "
+            'apply per shard). Use Adam/AdamW/Adagrad/Lion, or set "zero_allow_untested_optimizer": true.'
         )
 
     # -- the training loop ---------------------------------------------------------------------------------
@@ -332,7 +345,7 @@ class ShardspeedEngine(nn.Module):
     def destroy(self) -> None:
         """Remove gradient hooks so the module can be used (or wrapped again) without this engine."""
         if self.optimizer is not None:
-            self.optimizer.reducer.remove_hooks()
+            self.optimizer.remove_hooks()
 
 
 def _cast_floating(obj, dtype: torch.dtype):

@@ -9,6 +9,9 @@ At the accumulation boundary the last hook of a bucket launches its all-reduce a
 communication of late layers overlaps the backward pass of early ones. Buckets are launched strictly in
 index order on every rank: Gloo and NCCL need the same sequence of collectives on all ranks, and a parameter
 that gets no gradient on one rank must not reorder it. `finish()` flushes what is left and waits.
+
+ZeRO stage 1 uses the same buckets with `reduce_scatter=True`: each bucket is padded to a multiple of the world
+size, and an in-place reduce-scatter leaves each rank the average of its own contiguous slice (`shard`).
 """
 
 from __future__ import annotations
@@ -17,14 +20,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardspeed.comm.collectives import reduce_scatter_flat
+
 
 class GradBucket:
-    """One flat gradient buffer and the parameters whose gradients live in it."""
+    """One flat gradient buffer and the parameters whose gradients live in it.
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
+    The buffer is padded to a multiple of `shards` so it splits into equal per-rank slices (ZeRO).
+    """
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, shards: int = 1):
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(self.numel, dtype=dtype, device=device)
+        padded = -(-self.numel // shards) * shards
+        self.buffer = torch.zeros(padded, dtype=dtype, device=device)
+        self.shard_numel = padded // shards
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:
@@ -32,8 +42,12 @@ class GradBucket:
             offset += p.numel()
         self.ready = [False] * len(params)
         self.num_ready = 0
-        self.work = None  # the in-flight all-reduce
+        self.work = None  # the in-flight collective
         self.comm_buffer: torch.Tensor | None = None
+
+    def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s contiguous slice of a tensor laid out like this bucket's buffer."""
+        return tensor[rank * self.shard_numel : (rank + 1) * self.shard_numel]
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
@@ -42,27 +56,53 @@ class GradBucket:
         self.comm_buffer = None
 
 
+def bucket_layout(param_groups: list[list[nn.Parameter]], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Split parameters into buckets of at most `bucket_numel` elements (a larger parameter gets its own).
+
+    Gradients arrive roughly in reverse registration order, so the first bucket holds the last layers.
+    Buckets never span optimizer parameter groups, so a bucket's shard can be stepped with its group's
+    hyper-parameters.
+    """
+    buckets = []
+    for params in reversed(param_groups):
+        current, size = [], 0
+        for p in reversed(params):
+            if current and size + p.numel() > bucket_numel:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        if current:
+            buckets.append(current)
+    return buckets
+
+
 class BucketedAllReducer:
     """Averages gradients of `params` over `group` with bucketed, backward-overlapped all-reduces."""
 
     def __init__(
         self,
-        params: list[nn.Parameter],
+        buckets: list[list[nn.Parameter]],
         *,
         accum_dtype: torch.dtype,
         comm_dtype: torch.dtype,
-        bucket_numel: int,
         group=None,
         prescale_gradients: bool = False,
         gradient_predivide_factor: float = 1.0,
+        reduce_scatter: bool = False,
     ):
         self.group = group
         self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.comm_dtype = comm_dtype
         self.prescale = prescale_gradients
         self.predivide = gradient_predivide_factor
+        self.reduce_scatter = reduce_scatter
+        params = [p for bucket in buckets for p in bucket]
         self.grads_are_views = all(p.dtype == accum_dtype for p in params)
-        self.buckets = self._build_buckets(params, accum_dtype, bucket_numel)
+        device = params[0].device if params else torch.device("cpu")
+        shards = self.world_size if reduce_scatter else 1
+        self.buckets = [GradBucket(b, accum_dtype, device, shards) for b in buckets]
         self.sync_enabled = True  # False on micro-steps inside the accumulation window
         self._next_launch = 0
         self._hooks = []
@@ -71,21 +111,6 @@ class BucketedAllReducer:
                 if self.grads_are_views:
                     p.grad = bucket.views[slot]
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(bucket_index, slot)))
-
-    @staticmethod
-    def _build_buckets(params, dtype, bucket_numel) -> list[GradBucket]:
-        # Gradients arrive roughly in reverse registration order, so the first bucket holds the last layers.
-        buckets, current, size = [], [], 0
-        device = params[0].device if params else torch.device("cpu")
-        for p in reversed(params):
-            if current and size + p.numel() > bucket_numel:
-                buckets.append(GradBucket(current, dtype, device))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel()
-        if current:
-            buckets.append(GradBucket(current, dtype, device))
-        return buckets
 
     # -- backward-time hooks -------------------------------------------------------------------------------
 
@@ -138,7 +163,11 @@ class BucketedAllReducer:
         if tensor.dtype != self.comm_dtype:
             bucket.comm_buffer = tensor.to(self.comm_dtype)
             tensor = bucket.comm_buffer
-        bucket.work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        if self.reduce_scatter:  # in place: this rank's slice receives the sum of everyone's slice
+            own = bucket.shard(tensor, self.rank)
+            bucket.work = reduce_scatter_flat(own, tensor, group=self.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(tensor, group=self.group, async_op=True)
 
     # -- engine-facing -------------------------------------------------------------------------------------
 
@@ -152,15 +181,21 @@ class BucketedAllReducer:
         post = 1.0 if self.prescale else self.predivide / self.world_size
         for bucket in self.buckets:
             bucket.work.wait()
+            reduced = self.reduced_grad(bucket)
             if bucket.comm_buffer is not None:
-                bucket.buffer.copy_(bucket.comm_buffer)
+                source = bucket.comm_buffer
+                reduced.copy_(bucket.shard(source, self.rank) if self.reduce_scatter else source)
             if post != 1.0:
-                bucket.buffer.mul_(post)
+                reduced.mul_(post)
             bucket.reset()
         self._next_launch = 0
 
+    def reduced_grad(self, bucket: GradBucket) -> torch.Tensor:
+        """The part of a bucket that holds averaged gradients: all of it, or this rank's shard (ZeRO-1)."""
+        return bucket.shard(bucket.buffer, self.rank) if self.reduce_scatter else bucket.buffer
+
     def flat_grads(self) -> list[torch.Tensor]:
-        return [b.buffer for b in self.buckets]
+        return [self.reduced_grad(b) for b in self.buckets]
 
     def zero(self) -> None:
         for bucket in self.buckets:

@@ -1,0 +1,63 @@
+"""Flat parameter buckets: the unit ZeRO partitions.
+
+A bucket's parameters are packed, in order, into one flat buffer padded to a multiple of the world size;
+each parameter's `.data` becomes a view into it. Rank r owns the contiguous slice
+`[r * shard_numel, (r + 1) * shard_numel)` — its *shard* — for optimizer state (stage 1), gradients
+(stage 2) and, in stage 3, the parameter values themselves. Because gradient buckets use the same layout,
+a bucket's reduce-scatter and all-gather run in place on flat buffers with no packing copies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FlatParamBucket:
+    """Parameters of one optimizer group packed into a padded flat buffer, split into per-rank shards."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int, world: int, rank: int):
+        self.params = params
+        self.names = names
+        self.group_index = group_index
+        self.numels = [p.numel() for p in params]
+        self.shapes = [tuple(p.shape) for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.shard_numel = -(-self.numel // world)
+        self.world, self.rank = world, rank
+        self.flat = torch.zeros(self.shard_numel * world, dtype=params[0].dtype, device=params[0].device)
+        for p, offset, n in zip(params, self.offsets, self.numels):
+            self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+        self.bind()
+
+    def bind(self) -> None:
+        """Point every parameter's `.data` at its slice of the flat buffer."""
+        for p, offset, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.data = self.flat[offset : offset + n].view(shape)
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's slice of the flat buffer (a view: writing it updates the module's parameters)."""
+        return self.flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+
+    def fragments(self, rank: int | None = None):
+        """For each parameter, the part of it inside `rank`'s shard: (index, name, start in param, start in
+        shard, length). Parameters outside the shard are skipped."""
+        rank = self.rank if rank is None else rank
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        for i, (name, offset, n) in enumerate(zip(self.names, self.offsets, self.numels)):
+            start, end = max(lo, offset), min(hi, offset + n)
+            if start < end:
+                yield i, name, start - offset, start - lo, end - start
+
+    def layout(self) -> dict:
+        """What a checkpoint needs to find every parameter inside the shards."""
+        return {
+            "group": self.group_index,
+            "names": list(self.names),
+            "shapes": list(self.shapes),
+            "offsets": list(self.offsets),
+            "numel": self.numel,
+            "shard_numel": self.shard_numel,
+        }

@@ -1,0 +1,196 @@
+"""ZeRO stages 1 and 2: optimizer state (and, in stage 2, gradients) partitioned across data-parallel ranks.
+
+Both stages keep full parameters on every rank, packed into `FlatParamBucket`s. Each rank steps only its
+shard: the inner torch optimizer sees one tensor per bucket (the fp32 master of the shard, or in fp32
+training the shard of the parameters themselves), so its state exists for 1/N of the model. After the step
+each bucket is all-gathered in place, and every rank's module again holds the full, updated parameters.
+
+The stages differ only in where gradients live (reference §5.1):
+- stage 1: full gradient buckets as in stage 0, reduce-scattered at the accumulation boundary
+  (`BucketedAllReducer(reduce_scatter=True)`);
+- stage 2: only the shard is kept, reduce-scattered bucket by bucket during every backward
+  (`ShardedGradReducer`).
+
+The inner optimizer must be elementwise (Adam, AdamW, SGD, Adagrad, Lion, ...): it steps flat shards, not
+parameter tensors, so a per-tensor rule such as LAMB's trust ratio would apply per shard instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardspeed.comm.collectives import all_gather_flat
+from shardspeed.runtime.grad_buckets import BucketedAllReducer
+from shardspeed.runtime.precision import LossScaler, PrecisionPlan
+from shardspeed.zero.flat_params import FlatParamBucket
+from shardspeed.zero.sharded_grads import ShardedGradReducer
+
+
+def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[FlatParamBucket]:
+    """Flat buckets of the trainable parameters of each optimizer group (buckets never span groups).
+
+    Later groups and later parameters come first: gradients arrive in roughly reverse order.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    buckets = []
+    for gi in reversed(range(len(optimizer.param_groups))):
+        params = [p for p in optimizer.param_groups[gi]["params"] if p.requires_grad]
+        current, size = [], 0
+        for p in reversed(params):
+            if current and size + p.numel() > bucket_numel:
+                buckets.append(FlatParamBucket(current, [names[q] for q in current], gi, world, rank))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        if current:
+            buckets.append(FlatParamBucket(current, [names[q] for q in current], gi, world, rank))
+    return buckets
+
+
+class ZeroOptimizer:
+    """The stage 1/2 optimizer wrapper the engine drives (same protocol as `DataParallelOptimizer`)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_params: list[tuple[str, nn.Parameter]],
+        *,
+        stage: int,
+        plan: PrecisionPlan,
+        scaler: LossScaler,
+        gradient_clipping: float,
+        bucket_numel: int,
+        group=None,
+        prescale_gradients: bool = False,
+        gradient_predivide_factor: float = 1.0,
+    ):
+        self.zero_stage = stage
+        self.optimizer = optimizer
+        self.plan, self.scaler, self.clip, self.group = plan, scaler, gradient_clipping, group
+        self.overflow = False
+        self.grad_norm: float | None = None
+        self.buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group)
+        reduce_kwargs = dict(
+            accum_dtype=plan.grad_accum_dtype,
+            comm_dtype=plan.comm_dtype,
+            group=group,
+            prescale_gradients=prescale_gradients,
+            gradient_predivide_factor=gradient_predivide_factor,
+        )
+        if stage == 1:
+            layout = [b.params for b in self.buckets]
+            self.grads = BucketedAllReducer(layout, reduce_scatter=True, **reduce_kwargs)
+        else:
+            self.grads = ShardedGradReducer(self.buckets, **reduce_kwargs)
+        # The optimizer steps one tensor per bucket: a fp32 copy of the shard, or the shard itself in fp32.
+        self.masters = [b.shard.float().clone() if plan.mixed else b.shard for b in self.buckets]
+        for group_index, group_dict in enumerate(optimizer.param_groups):
+            frozen = [p for p in group_dict["params"] if not p.requires_grad]
+            mine = [m for m, b in zip(self.masters, self.buckets) if b.group_index == group_index]
+            group_dict["params"] = mine + frozen
+
+    # -- the optimizer protocol the engine drives ---------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale
+
+    cur_scale = loss_scale
+
+    def backward_begin(self, is_boundary: bool) -> None:
+        self.grads.sync_enabled = is_boundary or self.zero_stage == 2
+
+    def backward_end(self) -> None:
+        self.grads.finish()
+
+    def _global_norm(self) -> float:
+        """L2 norm over every rank's gradient shard: one all-reduce of a single number."""
+        flats = self.grads.flat_grads()
+        local = torch.zeros((), dtype=torch.float32, device=self.masters[0].device if self.masters else "cpu")
+        for f in flats:
+            local += torch.linalg.vector_norm(f, dtype=torch.float32) ** 2
+        dist.all_reduce(local, group=self.group)
+        return math.sqrt(local.item())
+
+    def step(self) -> bool:
+        scaled_norm = self._global_norm()
+        self.overflow = not math.isfinite(scaled_norm) and self.scaler.dynamic
+        if self.overflow:
+            self.grad_norm = scaled_norm
+            self.scaler.update(True)
+            self.zero_grad()
+            return False
+        scale = self.scaler.loss_scale
+        self.grad_norm = scaled_norm / scale
+        multiplier = 1.0 / scale
+        if self.clip > 0 and self.clip / (self.grad_norm + 1e-6) < 1.0:
+            multiplier *= self.clip / (self.grad_norm + 1e-6)
+        for master, grad in zip(self.masters, self.grads.flat_grads()):
+            master.grad = grad.to(torch.float32, copy=grad.dtype != master.dtype)
+            if multiplier != 1.0:
+                master.grad.mul_(multiplier)
+        self.optimizer.step()
+        for master, bucket in zip(self.masters, self.buckets):
+            master.grad = None
+            if self.plan.mixed:
+                bucket.shard.copy_(master)
+        self._all_gather_params()
+        self.scaler.update(False)
+        self.zero_grad()
+        return True
+
+    def _all_gather_params(self) -> None:
+        works = [all_gather_flat(b.flat, b.shard, group=self.group, async_op=True) for b in self.buckets]
+        for work in works:
+            work.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        del set_to_none
+        self.grads.zero()
+
+    def remove_hooks(self) -> None:
+        self.grads.remove_hooks()
+
+    def refresh_masters_from_module(self) -> None:
+        for master, bucket in zip(self.masters, self.buckets):
+            if master is not bucket.shard:
+                master.copy_(bucket.shard)
+
+    # -- state: this rank's shards plus the layout needed to find every parameter in them -----------------
+
+    def state_dict(self) -> dict:
+        inner = self.optimizer.state_dict()
+        return {
+            "zero_stage": self.zero_stage,
+            "world_size": dist.get_world_size(self.group),
+            "rank": dist.get_rank(self.group),
+            "buckets": [b.layout() for b in self.buckets],
+            "fp32_shards": [m.float() for m in self.masters],
+            "optimizer_states": [self.optimizer.state.get(m, {}) for m in self.masters],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]],
+            "loss_scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if [b.layout() for b in self.buckets] != state["buckets"]:
+            raise ValueError("the saved ZeRO partition layout differs from this engine's")
+        for master, saved, bucket in zip(self.masters, state["fp32_shards"], self.buckets):
+            master.copy_(saved)
+            if master is not bucket.shard:
+                bucket.shard.copy_(master)
+        for master, saved in zip(self.masters, state["optimizer_states"]):
+            self.optimizer.state[master] = {
+                k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()
+            }
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update(saved)
+        self.scaler.load_state_dict(state["loss_scaler"])
+        self._all_gather_params()

@@ -1,0 +1,142 @@
+"""ZeRO stage 2 gradients: reduce-scattered bucket by bucket during backward, kept only as this rank's shard.
+
+No full-size gradient buffer persists. As autograd produces a parameter's gradient, a hook copies it into
+its bucket's staging buffer (in the communication dtype) and frees it; a complete bucket is reduce-scattered
+asynchronously — in bucket index order on every rank — and this rank's averaged slice is added to a
+persistent shard accumulator. At most `MAX_IN_FLIGHT` staging buffers wait on the network at once, which
+bounds the transient memory to a few buckets. Reduction happens every micro-step, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardspeed.comm.collectives import reduce_scatter_flat
+from shardspeed.zero.flat_params import FlatParamBucket
+
+MAX_IN_FLIGHT = 2
+
+
+class _Slot:
+    def __init__(self, bucket: FlatParamBucket, accum_dtype: torch.dtype):
+        self.bucket = bucket
+        self.grad_shard = torch.zeros(bucket.shard_numel, dtype=accum_dtype, device=bucket.flat.device)
+        self.staging: torch.Tensor | None = None
+        self.num_ready = 0
+        self.ready = [False] * len(bucket.params)
+        self.launched = False
+
+
+class ShardedGradReducer:
+    """Stage 2 gradient path over the same buckets as the flat parameters."""
+
+    def __init__(
+        self,
+        buckets: list[FlatParamBucket],
+        *,
+        accum_dtype: torch.dtype,
+        comm_dtype: torch.dtype,
+        group=None,
+        prescale_gradients: bool = False,
+        gradient_predivide_factor: float = 1.0,
+    ):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.comm_dtype = comm_dtype
+        self.prescale = prescale_gradients
+        self.predivide = gradient_predivide_factor
+        self.slots = [_Slot(b, accum_dtype) for b in buckets]
+        self.sync_enabled = True
+        self._next_launch = 0
+        self._in_flight: deque = deque()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(slot, i))
+            for slot in self.slots
+            for i, p in enumerate(slot.bucket.params)
+        ]
+
+    def _make_hook(self, slot: _Slot, index: int):
+        offset, n = slot.bucket.offsets[index], slot.bucket.numels[index]
+
+        def on_grad_accumulated(param: nn.Parameter) -> None:
+            if slot.launched:
+                raise RuntimeError(
+                    f"parameter {slot.bucket.names[index]!r} received a gradient after its bucket was already "
+                    "reduced in this backward pass (reentrant checkpointing or two backward calls per step?)"
+                )
+            if slot.staging is None:
+                slot.staging = torch.zeros(
+                    slot.bucket.flat.numel(), dtype=self.comm_dtype, device=param.device
+                )
+            slot.staging[offset : offset + n].add_(param.grad.reshape(-1))
+            param.grad = None
+            if not slot.ready[index]:
+                slot.ready[index] = True
+                slot.num_ready += 1
+            self._launch_ready()
+
+        return on_grad_accumulated
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.slots):
+            slot = self.slots[self._next_launch]
+            if slot.num_ready < len(slot.bucket.params):
+                return
+            self._launch(slot)
+
+    def _launch(self, slot: _Slot) -> None:
+        if slot.staging is None:  # no parameter of this bucket got a gradient on this rank
+            slot.staging = torch.zeros(
+                slot.bucket.flat.numel(), dtype=self.comm_dtype, device=slot.grad_shard.device
+            )
+        if self.prescale:
+            slot.staging.div_(self.world_size)
+        elif self.predivide != 1.0:
+            slot.staging.mul_(1.0 / self.predivide)
+        rank = dist.get_rank(self.group)
+        own = slot.staging[rank * slot.bucket.shard_numel : (rank + 1) * slot.bucket.shard_numel]
+        work = reduce_scatter_flat(own, slot.staging, group=self.group, async_op=True)
+        slot.launched = True
+        self._in_flight.append((slot, own, work))
+        self._next_launch += 1
+        while len(self._in_flight) > MAX_IN_FLIGHT:
+            self._complete(*self._in_flight.popleft())
+
+    def _complete(self, slot: _Slot, own: torch.Tensor, work) -> None:
+        work.wait()
+        post = 1.0 if self.prescale else self.predivide / self.world_size
+        slot.grad_shard.add_(own, alpha=post)
+        slot.staging = None
+
+    # -- engine-facing -------------------------------------------------------------------------------------
+
+    def backward_begin(self, is_boundary: bool) -> None:
+        del is_boundary  # stage 2 reduces every micro-step
+
+    def finish(self) -> None:
+        while self._next_launch < len(self.slots):
+            self._launch(self.slots[self._next_launch])
+        while self._in_flight:
+            self._complete(*self._in_flight.popleft())
+        for slot in self.slots:
+            slot.num_ready, slot.launched = 0, False
+            slot.ready = [False] * len(slot.bucket.params)
+        self._next_launch = 0
+
+    def flat_grads(self) -> list[torch.Tensor]:
+        return [slot.grad_shard for slot in self.slots]
+
+    def zero(self) -> None:
+        for slot in self.slots:
+            slot.grad_shard.zero_()
+            for p in slot.bucket.params:
+                p.grad = None
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
