@@ -78,6 +78,15 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # GPT-2's initialisation: small normal weights keep the first logits (and loss) near uniform.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -118,8 +127,8 @@ def main() -> None:
             loss = engine(next(batches).to(engine.device))
             engine.backward(loss)
             engine.step()
-        first_loss = first_loss if first_loss is not None else loss.item() * gas
-        progress.set_postfix(loss=f"{loss.item() * gas:.3f}", lr=f"{engine.get_lr()[0]:.2e}")
+        first_loss = first_loss if first_loss is not None else loss.item()
+        progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{engine.get_lr()[0]:.2e}")
         progress.update()
     progress.close()
     elapsed = time.perf_counter() - start
@@ -127,7 +136,7 @@ def main() -> None:
         engine.save_checkpoint(args.save_dir)
     if rank == 0:
         tokens = args.steps * engine.train_batch_size() * args.seq
-        final = loss.item() * gas
+        final = loss.item()
         print(f"loss {first_loss:.3f} -> {final:.3f} (uniform guess: {math.log(256):.3f}); "
               f"{tokens / elapsed:,.0f} tokens/s over {elapsed:.1f} s ({dtype})")  # fmt: skip
 

@@ -1,31 +1,45 @@
 """shardspeed: DeepSpeed's training API and JSON config, in pure Python on PyTorch.
 
-import shardspeed as deepspeed
-engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config="ds_config.json")
+    import shardspeed as deepspeed
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config="ds_config.json")
+
+Names are imported lazily (PEP 562): `import shardspeed` stays cheap for the launcher, which starts
+processes and must not pay for importing torch first.
 """
 
-from shardspeed import comm
-from shardspeed.api import add_config_arguments, initialize
-from shardspeed.checkpoint import CheckpointError
-from shardspeed.comm.init import init_distributed
-from shardspeed.config import ConfigError
-from shardspeed.runtime.data import RepeatingLoader
-from shardspeed.runtime.engine import ShardspeedEngine
+from __future__ import annotations
+
+import importlib
+
 from shardspeed.version import __version__
 
-DeepSpeedConfigError = ConfigError
-DeepSpeedEngine = ShardspeedEngine
+# public name -> (module, attribute); an attribute of None means the module itself
+_LAZY = {
+    "CheckpointError": ("shardspeed.checkpoint.files", "CheckpointError"),
+    "ConfigError": ("shardspeed.config.errors", "ConfigError"),
+    "DeepSpeedConfigError": ("shardspeed.config.errors", "ConfigError"),
+    "DeepSpeedEngine": ("shardspeed.runtime.engine", "ShardspeedEngine"),
+    "RepeatingLoader": ("shardspeed.runtime.data", "RepeatingLoader"),
+    "ShardspeedEngine": ("shardspeed.runtime.engine", "ShardspeedEngine"),
+    "add_config_arguments": ("shardspeed.api", "add_config_arguments"),
+    "comm": ("shardspeed.comm", None),
+    "init_distributed": ("shardspeed.comm.init", "init_distributed"),
+    "initialize": ("shardspeed.api", "initialize"),
+    "zero": ("shardspeed.zero", None),
+}
 
-__all__ = [
-    "CheckpointError",
-    "ConfigError",
-    "DeepSpeedConfigError",
-    "DeepSpeedEngine",
-    "RepeatingLoader",
-    "ShardspeedEngine",
-    "__version__",
-    "add_config_arguments",
-    "comm",
-    "init_distributed",
-    "initialize",
-]
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardspeed' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
