@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from shardspeed.version import __version__
+from shardspeed.version import __version__ as __version__
 
 # public name -> (module, attribute); an attribute of None means the module itself
 _LAZY = {
