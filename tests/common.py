@@ -101,13 +101,21 @@ def engine_run(config: dict, world: int, steps: int, seed: int = 0, options=None
     return summarize(engine)
 
 
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, gathering ZeRO-3 shards (collective)."""
+    from shardspeed.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):
+        return params_of(engine.module)
+
+
 def summarize(engine) -> dict:
     masters = {}
     if engine.optimizer.plan.mixed and engine.zero_optimization_stage() == 0:
         names = {p: n for n, p in engine.module.named_parameters()}
         masters = {names[p]: m.clone() for p, m in engine.optimizer.masters.items()}
     return {
-        "params": params_of(engine.module),
+        "params": full_params(engine),
         "masters": masters,
         "lr": engine.get_lr(),
         "global_steps": engine.global_steps,

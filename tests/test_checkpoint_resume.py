@@ -5,14 +5,23 @@ import copy
 import pytest
 import torch
 
-from common import base_config, params_of, train_engine
+from common import base_config, full_params, train_engine
 from harness import run_ranks
 from models import TinyGPT, token_batches
 
+FP16 = {"fp16": {"enabled": True, "initial_scale_power": 10}}
 VARIANTS = {
     "fp32": base_config(),
-    "fp16": base_config(fp16={"enabled": True, "initial_scale_power": 10}),
+    "fp16": base_config(**FP16),
     "bf16": base_config(bf16={"enabled": True}),
+    "z1-fp16": base_config(zero_optimization={"stage": 1, "reduce_bucket_size": 3000}, **FP16),
+    "z2-bf16": base_config(
+        zero_optimization={"stage": 2, "reduce_bucket_size": 3000}, bf16={"enabled": True}
+    ),
+    "z3-fp32": base_config(
+        zero_optimization={"stage": 3, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 100}
+    ),
+    "z3-fp16": base_config(zero_optimization={"stage": 3, "reduce_bucket_size": 3000}, **FP16),
 }
 
 
@@ -34,7 +43,7 @@ def _train_and_save(save_root: str, world: int) -> dict:
         train_engine(engine, data, range(3), dist.get_rank(), world)
         engine.save_checkpoint(f"{save_root}/{name}", client_state={"epoch": 7, "note": "hello"})
         losses = train_engine(engine, data, range(3, 6), dist.get_rank(), world)
-        out[name] = {"params": params_of(engine.module), "losses": losses, "scale": engine.loss_scale()}
+        out[name] = {"params": full_params(engine), "losses": losses, "scale": engine.loss_scale()}
         engine.destroy()
     return out
 
@@ -50,7 +59,7 @@ def _load_and_continue(save_root: str, world: int) -> dict:
         data = token_batches(6, engine.train_batch_size())
         losses = train_engine(engine, data, range(3, 6), dist.get_rank(), world)
         out[name] = {
-            "params": params_of(engine.module), "losses": losses, "scale": engine.loss_scale(),
+            "params": full_params(engine), "losses": losses, "scale": engine.loss_scale(),
             "path": path, "client_state": client_state, "global_steps": engine.global_steps,
         }  # fmt: skip
         engine.destroy()

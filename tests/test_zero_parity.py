@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 train exactly like one process (fp32) and like stage 0 (fp16/bf16).
+"""ZeRO stages 1, 2 and 3 train exactly like one process (fp32) and like stage 0 (fp16/bf16).
 
 One spawn per world size runs every (stage, precision, accumulation) case, with tied weights, a frozen
 parameter and two parameter groups, to amortise process start-up.
@@ -21,18 +21,19 @@ PRECISIONS = {
 
 
 def _config(stage: int, precision: str, gas: int) -> dict:
-    return base_config(
-        gradient_accumulation_steps=gas,
-        zero_optimization={"stage": stage, "reduce_bucket_size": 3000},
-        **PRECISIONS[precision],
-    )
+    zero = {"stage": stage, "reduce_bucket_size": 3000}
+    if stage == 3:
+        # Small units (3000 elements) so the model spans many; units up to 100 elements (LayerNorms) stay
+        # gathered, as DeepSpeed's persistence threshold does, so both paths are exercised.
+        zero.update(stage3_param_persistence_threshold=100, stage3_prefetch_bucket_size=3000)
+    return base_config(gradient_accumulation_steps=gas, zero_optimization=zero, **PRECISIONS[precision])
 
 
 def _all_cases(world: int) -> dict:
     results = {}
     for gas in (1, 2):
         for precision in PRECISIONS:
-            for stage in (0, 1, 2):
+            for stage in (0, 1, 2, 3):
                 results[(stage, precision, gas)] = engine_run(
                     _config(stage, precision, gas), world, STEPS, 0, OPTIONS
                 )
@@ -44,7 +45,7 @@ def test_zero_stages_match_reference(world):
     ranks = run_ranks(_all_cases, world, world, timeout=600)
     for gas in (1, 2):
         reference = reference_run(STEPS, world, gas=gas, options=OPTIONS)
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             for rank, results in enumerate(ranks):
                 case = f"stage {stage} fp32 gas {gas} rank {rank}"
                 assert max_diff(results[(stage, "fp32", gas)]["params"], reference) <= 1e-5, case
@@ -62,7 +63,7 @@ def test_zero_stages_match_reference(world):
                     f"stage {stage} {precision} gas {gas}"
                 )
                 assert ours["skipped"] == 0
-        for stage in (0, 1, 2):  # all ranks hold identical full parameters after every step
+        for stage in (0, 1, 2, 3):  # all ranks hold identical full parameters after every step
             for results in ranks[1:]:
                 assert (
                     max_diff(

@@ -77,6 +77,10 @@ def _validate_tag(engine, tag: str) -> None:
 
 def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
     module_state = engine.module.state_dict()
+    if engine.zero_optimization_stage() == 3:
+        # Stage 3 parameters exist only as shards: they are in the per-rank partition files, not here.
+        params = {n for n, _ in engine.module.named_parameters()}
+        module_state = {k: v for k, v in module_state.items() if k not in params}
     frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
     if exclude_frozen:
         for name in frozen:
@@ -160,12 +164,17 @@ def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_s
         logger.warning(f"no checkpoint to load: {path} does not exist")
         return None, None
     state = files.load_file(path / files.model_states_name())
-    _load_module(engine, state, strict, path)
-    if module_only:
-        if engine.optimizer is not None and hasattr(engine.optimizer, "refresh_masters_from_module"):
-            engine.optimizer.refresh_masters_from_module()
-        return str(path), {}
-    _load_optimizer(engine, state, load_optimizer_states, path)
+    if engine.zero_optimization_stage() == 3:
+        _load_stage3(engine, state, path, load_optimizer_states and not module_only)
+        if module_only:
+            return str(path), {}
+    else:
+        _load_module(engine, state, strict, path)
+        if module_only:
+            if engine.optimizer is not None:
+                engine.optimizer.refresh_masters_from_module()
+            return str(path), {}
+        _load_optimizer(engine, state, load_optimizer_states, path)
     if load_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     if engine.training_dataloader is not None and state.get("data_sampler"):
@@ -202,6 +211,21 @@ def _load_module(engine, state: dict, strict: bool, path: Path) -> None:
         engine.module.load_state_dict(state["module"], strict=strict)
     except RuntimeError as err:
         raise CheckpointError(f"checkpoint {path} does not match the model: {err}") from err
+
+
+def _load_stage3(engine, state: dict, path: Path, load_optimizer_states: bool) -> None:
+    """Stage 3: buffers from the model file, parameters (and optimizer state) from this rank's shards."""
+    if state.get("zero_stage") != 3:
+        raise CheckpointError(f"checkpoint {path} was saved at ZeRO stage {state.get('zero_stage')}, not 3")
+    missing, unexpected = engine.module.load_state_dict(state["module"], strict=False)
+    params = {n for n, _ in engine.module.named_parameters()}
+    if unexpected or [k for k in missing if k not in params]:
+        raise CheckpointError(f"checkpoint {path} buffers do not match the model: {missing + unexpected}")
+    saved = files.load_file(path / files.zero_optim_states_name(engine.dp_rank))["optimizer_state_dict"]
+    try:
+        engine.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer_states)
+    except (KeyError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"ZeRO-3 partition in {path} does not match this engine: {err}") from err
 
 
 def _replicated_optimizer(engine) -> bool:

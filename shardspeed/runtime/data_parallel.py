@@ -49,6 +49,8 @@ class DataParallelOptimizer:
         self.masters: dict[nn.Parameter, torch.Tensor] = {}
         if plan.mixed:
             self._create_masters()
+        for _, p in named_params:
+            p._shardspeed_zero = (self, None)  # found by the zero.safe_get_* accessors
 
     # -- set-up --------------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from shardspeed.runtime.optim import is_zero_tested_optimizer
 from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
 from shardspeed.utils.logging import log_dist
-from shardspeed.zero.optimizer import ZeroOptimizer
+from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -143,12 +143,20 @@ class ShardspeedEngine(nn.Module):
                 **comm,
             )
             return DataParallelOptimizer(optimizer, named, reducer=reducer, **common)
-        if stage == 3:
-            raise ConfigError(
-                "zero_optimization.stage: stage 3 is not implemented yet in this version; use 0, 1 or 2"
-            )
         self._check_zero_optimizer(optimizer)
-        return ZeroOptimizer(
+        if stage == 3:
+            return zero_stage_3(
+                self.module,
+                optimizer,
+                named,
+                # Units of at most this many elements are gathered whole (about one transformer block).
+                unit_numel=int(min(zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size)),
+                persistence_threshold=int(zero_cfg.stage3_param_persistence_threshold),
+                prefetch=int(zero_cfg.stage3_prefetch_bucket_size) > 0,
+                **common,
+                **comm,
+            )
+        return zero_stage_1_2(
             optimizer, named, stage=stage, bucket_numel=int(zero_cfg.reduce_bucket_size), **common, **comm
         )
 

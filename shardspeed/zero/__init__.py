@@ -1,1 +1,24 @@
-"""ZeRO: partitioned optimizer state (stage 1), gradients (stage 2) and parameters (stage 3)."""
+"""ZeRO: partitioned optimizer state (stage 1), gradients (stage 2) and parameters (stage 3).
+
+User-facing names as DeepSpeed's `deepspeed.zero`.
+"""
+
+from shardspeed.zero.api import (
+    GatheredParameters,
+    register_external_parameter,
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    unregister_external_parameter,
+)
+
+__all__ = [
+    "GatheredParameters",
+    "register_external_parameter",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "unregister_external_parameter",
+]

@@ -26,7 +26,9 @@ class FlatParamBucket:
         self.numel = sum(self.numels)
         self.shard_numel = -(-self.numel // world)
         self.world, self.rank = world, rank
-        self.flat = torch.zeros(self.shard_numel * world, dtype=params[0].dtype, device=params[0].device)
+        self.padded_numel = self.shard_numel * world
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         for p, offset, n in zip(params, self.offsets, self.numels):
             self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
         self.bind()

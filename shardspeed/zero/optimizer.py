@@ -28,6 +28,7 @@ from shardspeed.runtime.grad_buckets import BucketedAllReducer
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan
 from shardspeed.zero.flat_params import FlatParamBucket
 from shardspeed.zero.sharded_grads import ShardedGradReducer
+from shardspeed.zero.stage3 import Stage3Coordinator, build_units
 
 
 def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[FlatParamBucket]:
@@ -52,46 +53,43 @@ def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[Flat
 
 
 class ZeroOptimizer:
-    """The stage 1/2 optimizer wrapper the engine drives (same protocol as `DataParallelOptimizer`)."""
+    """The ZeRO optimizer wrapper the engine drives (same protocol as `DataParallelOptimizer`).
+
+    `buckets` are the flat buckets (stage 1/2) or parameter units (stage 3) whose shards this rank steps;
+    `grads` holds the reduced gradient shards; `coordinator` (stage 3) gathers parameters around modules.
+    """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        named_params: list[tuple[str, nn.Parameter]],
+        buckets: list[FlatParamBucket],
+        grads,
         *,
         stage: int,
         plan: PrecisionPlan,
         scaler: LossScaler,
         gradient_clipping: float,
-        bucket_numel: int,
         group=None,
-        prescale_gradients: bool = False,
-        gradient_predivide_factor: float = 1.0,
+        coordinator=None,
     ):
         self.zero_stage = stage
         self.optimizer = optimizer
+        self.buckets, self.grads, self.coordinator = buckets, grads, coordinator
         self.plan, self.scaler, self.clip, self.group = plan, scaler, gradient_clipping, group
         self.overflow = False
         self.grad_norm: float | None = None
-        self.buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group)
-        reduce_kwargs = dict(
-            accum_dtype=plan.grad_accum_dtype,
-            comm_dtype=plan.comm_dtype,
-            group=group,
-            prescale_gradients=prescale_gradients,
-            gradient_predivide_factor=gradient_predivide_factor,
-        )
-        if stage == 1:
-            layout = [b.params for b in self.buckets]
-            self.grads = BucketedAllReducer(layout, reduce_scatter=True, **reduce_kwargs)
-        else:
-            self.grads = ShardedGradReducer(self.buckets, **reduce_kwargs)
         # The optimizer steps one tensor per bucket: a fp32 copy of the shard, or the shard itself in fp32.
-        self.masters = [b.shard.float().clone() if plan.mixed else b.shard for b in self.buckets]
+        self.masters = [b.shard.float().clone() if plan.mixed else b.shard for b in buckets]
+        for index, bucket in enumerate(buckets):
+            for p in bucket.params:
+                p._shardspeed_zero = (self, index)  # found by the zero.safe_get_* accessors
+            if stage == 3:
+                bucket.on_modified = self._refresh_master(index)
+        managed = {id(p) for b in buckets for p in b.params}
         for group_index, group_dict in enumerate(optimizer.param_groups):
-            frozen = [p for p in group_dict["params"] if not p.requires_grad]
-            mine = [m for m, b in zip(self.masters, self.buckets) if b.group_index == group_index]
-            group_dict["params"] = mine + frozen
+            others = [p for p in group_dict["params"] if id(p) not in managed]
+            mine = [m for m, b in zip(self.masters, buckets) if b.group_index == group_index]
+            group_dict["params"] = mine + others
 
     # -- the optimizer protocol the engine drives ---------------------------------------------------------
 
@@ -110,6 +108,8 @@ class ZeroOptimizer:
 
     def backward_end(self) -> None:
         self.grads.finish()
+        if self.coordinator is not None:
+            self.coordinator.end_of_backward()
 
     def _global_norm(self) -> float:
         """L2 norm over every rank's gradient shard: one all-reduce of a single number."""
@@ -142,12 +142,16 @@ class ZeroOptimizer:
             master.grad = None
             if self.plan.mixed:
                 bucket.shard.copy_(master)
-        self._all_gather_params()
+        self._publish_shards()
         self.scaler.update(False)
         self.zero_grad()
         return True
 
-    def _all_gather_params(self) -> None:
+    def _publish_shards(self) -> None:
+        """Make updated shards visible: stage 1/2 all-gather every bucket now; stage 3 gathers on use."""
+        if self.coordinator is not None:
+            self.coordinator.after_step()
+            return
         works = [all_gather_flat(b.flat, b.shard, group=self.group, async_op=True) for b in self.buckets]
         for work in works:
             work.wait()
@@ -158,6 +162,15 @@ class ZeroOptimizer:
 
     def remove_hooks(self) -> None:
         self.grads.remove_hooks()
+        if self.coordinator is not None:
+            self.coordinator.remove_hooks()
+
+    def _refresh_master(self, index: int):
+        def refresh() -> None:
+            if self.masters[index] is not self.buckets[index].shard:
+                self.masters[index].copy_(self.buckets[index].shard)
+
+        return refresh
 
     def refresh_masters_from_module(self) -> None:
         for master, bucket in zip(self.masters, self.buckets):
@@ -179,13 +192,17 @@ class ZeroOptimizer:
             "loss_scaler": self.scaler.state_dict(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
+        """Restore this rank's shards; with `load_optimizer_states=False` only the fp32 weights."""
         if [b.layout() for b in self.buckets] != state["buckets"]:
             raise ValueError("the saved ZeRO partition layout differs from this engine's")
         for master, saved, bucket in zip(self.masters, state["fp32_shards"], self.buckets):
             master.copy_(saved)
             if master is not bucket.shard:
                 bucket.shard.copy_(master)
+        if not load_optimizer_states:
+            self._publish_shards()
+            return
         for master, saved in zip(self.masters, state["optimizer_states"]):
             self.optimizer.state[master] = {
                 k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()
@@ -193,4 +210,53 @@ class ZeroOptimizer:
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
         self.scaler.load_state_dict(state["loss_scaler"])
-        self._all_gather_params()
+        self._publish_shards()
+
+
+def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, plan, scaler, gradient_clipping,
+                   group=None, prescale_gradients=False, gradient_predivide_factor=1.0) -> ZeroOptimizer:  # fmt: skip
+    buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group)
+    reduce_kwargs = dict(
+        accum_dtype=plan.grad_accum_dtype,
+        comm_dtype=plan.comm_dtype,
+        group=group,
+        prescale_gradients=prescale_gradients,
+        gradient_predivide_factor=gradient_predivide_factor,
+    )
+    if stage == 1:
+        grads = BucketedAllReducer([b.params for b in buckets], reduce_scatter=True, **reduce_kwargs)
+    else:
+        grads = ShardedGradReducer(buckets, **reduce_kwargs)
+    return ZeroOptimizer(
+        optimizer, buckets, grads, stage=stage, plan=plan, scaler=scaler, gradient_clipping=gradient_clipping,
+        group=group,
+    )  # fmt: skip
+
+
+def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int, persistence_threshold: int,
+                 prefetch: bool, plan, scaler, gradient_clipping, group=None, prescale_gradients=False,
+                 gradient_predivide_factor=1.0) -> ZeroOptimizer:  # fmt: skip
+    names = {p: n for n, p in module.named_parameters()}
+    units = build_units(
+        module,
+        optimizer,
+        names,
+        unit_numel=unit_numel,
+        persistence_threshold=persistence_threshold,
+        group=group,
+    )
+    coordinator = Stage3Coordinator(module, units, prefetch=prefetch)
+    trainable = [u for u in units if u.group_index is not None]
+    grads = ShardedGradReducer(
+        list(reversed(trainable)),  # gradients arrive in reverse forward order
+        accum_dtype=plan.grad_accum_dtype,
+        comm_dtype=plan.comm_dtype,
+        group=group,
+        prescale_gradients=prescale_gradients,
+        gradient_predivide_factor=gradient_predivide_factor,
+        after_launch=coordinator.on_unit_reduced,
+    )
+    return ZeroOptimizer(
+        optimizer, list(reversed(trainable)), grads, stage=3, plan=plan, scaler=scaler,
+        gradient_clipping=gradient_clipping, group=group, coordinator=coordinator,
+    )  # fmt: skip

@@ -24,7 +24,7 @@ MAX_IN_FLIGHT = 2
 class _Slot:
     def __init__(self, bucket: FlatParamBucket, accum_dtype: torch.dtype):
         self.bucket = bucket
-        self.grad_shard = torch.zeros(bucket.shard_numel, dtype=accum_dtype, device=bucket.flat.device)
+        self.grad_shard = torch.zeros(bucket.shard_numel, dtype=accum_dtype, device=bucket.device)
         self.staging: torch.Tensor | None = None
         self.num_ready = 0
         self.ready = [False] * len(bucket.params)
@@ -43,8 +43,10 @@ class ShardedGradReducer:
         group=None,
         prescale_gradients: bool = False,
         gradient_predivide_factor: float = 1.0,
+        after_launch=None,
     ):
         self.group = group
+        self.after_launch = after_launch  # stage 3: the bucket's full parameters can be released now
         self.world_size = dist.get_world_size(group)
         self.comm_dtype = comm_dtype
         self.prescale = prescale_gradients
@@ -70,7 +72,7 @@ class ShardedGradReducer:
                 )
             if slot.staging is None:
                 slot.staging = torch.zeros(
-                    slot.bucket.flat.numel(), dtype=self.comm_dtype, device=param.device
+                    slot.bucket.padded_numel, dtype=self.comm_dtype, device=param.device
                 )
             slot.staging[offset : offset + n].add_(param.grad.reshape(-1))
             param.grad = None
@@ -91,7 +93,7 @@ class ShardedGradReducer:
     def _launch(self, slot: _Slot) -> None:
         if slot.staging is None:  # no parameter of this bucket got a gradient on this rank
             slot.staging = torch.zeros(
-                slot.bucket.flat.numel(), dtype=self.comm_dtype, device=slot.grad_shard.device
+                slot.bucket.padded_numel, dtype=self.comm_dtype, device=slot.grad_shard.device
             )
         if self.prescale:
             slot.staging.div_(self.world_size)
@@ -101,6 +103,8 @@ class ShardedGradReducer:
         own = slot.staging[rank * slot.bucket.shard_numel : (rank + 1) * slot.bucket.shard_numel]
         work = reduce_scatter_flat(own, slot.staging, group=self.group, async_op=True)
         slot.launched = True
+        if self.after_launch is not None:
+            self.after_launch(slot.bucket)
         self._in_flight.append((slot, own, work))
         self._next_launch += 1
         while len(self._in_flight) > MAX_IN_FLIGHT:

@@ -1,0 +1,113 @@
+"""ZeRO stage 3 parameter units: which parameters are gathered together, and their gather/release lifecycle.
+
+A *unit* is the parameters of one module subtree (at most about `unit_numel` elements, or a large module's
+own direct parameters) packed as a `FlatParamBucket`. Between uses a unit keeps only this rank's shard; its
+parameters' `.data` are empty tensors. The coordinator (stage3.py) gathers a unit just before the forward
+or backward of the module that owns it and releases it afterwards.
+
+[Note: stage 3 lifecycle] A unit is *gathered* while `refs > 0` (forward, nested or external use),
+while it waits for its gradients in backward, or always when *persistent* (small units, as DeepSpeed's
+`stage3_param_persistence_threshold`). Its full parameters are released in backward as soon as every
+trainable parameter's gradient has been produced — autograd accumulates a leaf's gradient only after every
+operation that used it has run its backward, so nothing later needs the values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardspeed.comm.collectives import all_gather_flat
+from shardspeed.zero.flat_params import FlatParamBucket
+
+
+class ParamUnit(FlatParamBucket):
+    """A flat bucket whose full buffer exists only while gathered; the shard has its own storage."""
+
+    def __init__(self, module: nn.Module, params, names, group_index, world, rank, group, persistent: bool):
+        super().__init__(params, names, group_index, world, rank)
+        self.module = module
+        self.group = group
+        self.persistent = persistent
+        self.has_frozen = any(not p.requires_grad for p in params)
+        self._shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel].clone()
+        self.refs = 0
+        self.awaiting_grads = False
+        self.on_modified = None  # set by the optimizer wrapper: refresh its fp32 master from the shard
+        for p in params:
+            p._shardspeed_unit = self  # found by zero.GatheredParameters
+        self._work = None
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        if not persistent:
+            self.free()
+
+    @property
+    def shard(self) -> torch.Tensor:
+        return self._shard
+
+    @property
+    def gathered(self) -> bool:
+        return self.flat is not None
+
+    def gather(self, async_op: bool = False) -> None:
+        """Start (or finish) the all-gather of every rank's shard into a fresh full buffer."""
+        if self.flat is None:
+            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            self._work = all_gather_flat(self.flat, self._shard, group=self.group, async_op=True)
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self.bind()
+
+    def free(self) -> None:
+        """Drop the full buffer; parameters become empty until the next gather."""
+        if self.persistent:
+            return
+        self.wait()
+        for p in self.params:
+            p.data = self._empty
+        self.flat = None
+
+    def refresh(self) -> None:
+        """After an optimizer step: persistent units re-gather their updated values, others stay released."""
+        if self.persistent:
+            self.flat = None
+            self.gather()
+        else:
+            self.free()
+
+
+def plan_units(root: nn.Module, unit_numel: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Group parameters into units, in module (≈ forward) order.
+
+    A module whose subtree holds at most `unit_numel` elements (or has no children) is one unit; a larger
+    module contributes its own direct parameters as a unit and is split into its children. A parameter
+    shared by several modules (tied weights) belongs to the first unit that reaches it.
+    """
+    seen: set[int] = set()
+    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
+
+    def take(params) -> list[nn.Parameter]:
+        fresh = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        return fresh
+
+    def visit(module: nn.Module) -> None:
+        children = list(module.children())
+        if not children or sum(p.numel() for p in module.parameters()) <= unit_numel:
+            params = take(module.parameters())
+            if params:
+                units.append((module, params))
+            return
+        own = take(p for p in module._parameters.values() if p is not None)
+        if own:
+            units.append((module, own))
+        for child in children:
+            visit(child)
+
+    visit(root)
+    return units

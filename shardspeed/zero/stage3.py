@@ -1,0 +1,210 @@
+"""ZeRO stage 3: parameters partitioned too; each module's parameters are gathered just before it runs.
+
+The coordinator puts hooks on every module that roots a unit (param_units.py) and on every module that uses
+a parameter owned by another unit (tied weights):
+- forward pre-hook: gather the units (waiting on a prefetch if one is in flight), then prefetch the unit
+  that came next in the previous step's order;
+- forward hook: release them, and hook the outputs so that their backward gathers the units again;
+- gradient hooks (the stage 2 reducer): once a unit's last gradient is produced its full parameters are
+  released and its gradient is reduce-scattered into this rank's shard.
+
+The order of gathers is recorded every step and only used as a prefetch hint, so a module whose execution
+order changes between steps still works: a wrong guess costs one early gather, never a hang, as long as all
+ranks run the same modules (the same requirement collectives always have).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardspeed.zero.param_units import ParamUnit, plan_units
+
+
+def _output_tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, (list, tuple)):
+        return [t for o in output for t in _output_tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _output_tensors(o)]
+    return []
+
+
+class Stage3Coordinator:
+    """Gathers and releases parameter units around each module's forward and backward."""
+
+    def __init__(self, root: nn.Module, units: list[ParamUnit], prefetch: bool = True):
+        self.units = units
+        self.prefetch = prefetch
+        self.order: list[ParamUnit] = []  # first gathers of the previous step, in order
+        self._this_step: list[ParamUnit] = []
+        self._seen: set[int] = set()
+        self._hooks = []
+        by_module: dict[nn.Module, list[ParamUnit]] = {}
+        for unit in units:
+            by_module.setdefault(unit.module, []).append(unit)
+        self.owner = {id(p): unit for unit in units for p in unit.params}
+        self.stack: list[nn.Module] = []  # hooked modules currently inside their forward
+        self.needs: dict[nn.Module, list[ParamUnit]] = {}
+        for module, needed in self._modules_and_units(root, by_module, self.owner):
+            self._hook(module, needed)
+        # Modules may read a child's parameters without calling the child (nn.MultiheadAttention reads
+        # out_proj.weight): parameter look-ups go through a dict that gathers on first use in a forward.
+        for module in root.modules():
+            if any(p is not None for p in module._parameters.values()):
+                module._parameters = _GatheringParameters(module._parameters, self)
+
+    def _hook(self, module: nn.Module, needed: list[ParamUnit]) -> None:
+        self.needs[module] = needed
+        self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward(module)))
+        self._hooks.append(module.register_forward_hook(self._make_post_forward(module)))
+
+    def on_parameter_access(self, param: nn.Parameter) -> None:
+        """A parameter read inside a forward whose unit nobody holds: gather it for the innermost module
+        running (and from now on, gather it before that module's forward and backward)."""
+        unit = self.owner.get(id(param))
+        if unit is None or unit.refs > 0 or not self.stack:
+            return
+        module = self.stack[-1]
+        self.needs[module].append(unit)
+        self._acquire(unit)
+
+    @staticmethod
+    def _modules_and_units(root: nn.Module, by_module, owner):
+        """Unit roots need their own units; any module using a parameter of a unit that is not gathered
+        around it (a tied weight) needs that unit too."""
+        result = []
+
+        def visit(module: nn.Module, covering: set[int]) -> None:
+            own = by_module.get(module, [])
+            covering = covering | {id(u) for u in own}
+            external = []
+            for p in module._parameters.values():
+                unit = owner.get(id(p)) if p is not None else None
+                if unit is not None and id(unit) not in covering and unit not in external:
+                    external.append(unit)
+            if own or external:
+                result.append((module, own + external))
+            for child in module.children():
+                visit(child, covering)
+
+        visit(root, set())
+        return result
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+
+    def _make_pre_forward(self, module: nn.Module):
+        units = self.needs[module]
+
+        def pre_forward(module, args):
+            self.stack.append(module)
+            for unit in units:
+                self._acquire(unit)
+            if units:
+                self._prefetch_after(units[-1], step=1)
+
+        return pre_forward
+
+    def _make_post_forward(self, module: nn.Module):
+        units = self.needs[module]
+
+        def post_forward(module, args, output):
+            self.stack.pop()
+            for unit in units:
+                unit.refs -= 1
+                if unit.refs == 0 and not unit.awaiting_grads:
+                    unit.free()
+            if torch.is_grad_enabled() and units:
+                for tensor in _output_tensors(output):
+                    tensor.register_hook(self._make_pre_backward(units))
+
+        return post_forward
+
+    def _make_pre_backward(self, units: list[ParamUnit]):
+        def pre_backward(grad):
+            for unit in units:
+                if not unit.gathered or unit._work is not None:
+                    unit.gather()
+                unit.awaiting_grads = unit.group_index is not None or unit.awaiting_grads
+            self._prefetch_after(units[0], step=-1)
+            return grad
+
+        return pre_backward
+
+    def _acquire(self, unit: ParamUnit) -> None:
+        unit.gather()
+        unit.refs += 1
+        if id(unit) not in self._seen:
+            self._seen.add(id(unit))
+            self._this_step.append(unit)
+
+    def _prefetch_after(self, unit: ParamUnit, step: int) -> None:
+        """Start gathering the unit that followed (forward) or preceded (backward) `unit` last step."""
+        if not self.prefetch or unit not in self.order:
+            return
+        index = self.order.index(unit) + step
+        if 0 <= index < len(self.order) and not self.order[index].gathered:
+            self.order[index].gather(async_op=True)
+
+    # -- engine-facing -------------------------------------------------------------------------------------
+
+    def on_unit_reduced(self, unit: ParamUnit) -> None:
+        """Called by the gradient reducer once a unit's gradients are handed to the reduce-scatter."""
+        unit.awaiting_grads = False
+        if unit.refs == 0 and not unit.has_frozen:
+            unit.free()
+
+    def end_of_backward(self) -> None:
+        """Release everything still gathered (unused parameters, frozen ones, wrong prefetch guesses)."""
+        for unit in self.units:
+            unit.awaiting_grads = False
+            if unit.refs == 0:
+                unit.free()
+        self.order, self._this_step, self._seen = self._this_step or self.order, [], set()
+
+    def after_step(self) -> None:
+        for unit in self.units:
+            unit.refresh()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for unit in self.units:
+            unit.persistent = True  # leave the module usable: gather everything once, for good
+            unit.gather()
+
+
+class _GatheringParameters(dict):
+    """`module._parameters` for stage 3: reading a parameter inside a forward makes sure it is gathered."""
+
+    def __init__(self, params: dict, coordinator: Stage3Coordinator):
+        super().__init__(params)
+        self.coordinator = coordinator
+
+    def __getitem__(self, name: str):
+        param = super().__getitem__(name)
+        if param is not None and self.coordinator.stack:
+            self.coordinator.on_parameter_access(param)
+        return param
+
+
+def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, persistence_threshold: int,
+                group) -> list[ParamUnit]:  # fmt: skip
+    """One ParamUnit per (unit root, optimizer group); parameters outside every group form frozen units."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    units = []
+    for root, params in plan_units(module, unit_numel):
+        by_group: dict = {}
+        for p in params:
+            gi = group_of.get(id(p)) if p.requires_grad else None
+            by_group.setdefault(gi, []).append(p)
+        for gi, members in by_group.items():
+            persistent = sum(p.numel() for p in members) <= persistence_threshold
+            unit_names = [names[p] for p in members]
+            units.append(ParamUnit(root, members, unit_names, gi, world, rank, group, persistent))
+    return units
