@@ -28,7 +28,7 @@ from shardspeed.version import __version__
 ENGINE_KEYS = {
     "module", "buffer_names", "optimizer", "lr_scheduler", "data_sampler", "global_steps", "global_samples",
     "skipped_steps", "micro_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "shardspeed_version", "zero_stage", "param_shapes", "frozen_param_names",
+    "shardspeed_version", "zero_stage", "param_shapes", "frozen_param_names", "shared_params",
 }  # fmt: skip
 
 
@@ -75,6 +75,17 @@ def _validate_tag(engine, tag: str) -> None:
         log_dist(message, ranks=[0], level=30)
 
 
+def _shared_params(module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    shared = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            shared[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return shared
+
+
 def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
     module_state = engine.module.state_dict()
     if engine.zero_optimization_stage() == 3:
@@ -90,6 +101,8 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
         "buffer_names": [n for n, _ in engine.module.named_buffers()],
         "param_shapes": {n: tuple(p.shape) for n, p in engine.module.named_parameters()},
         "frozen_param_names": frozen,
+        # Tied weights: state-dict keys that name the same tensor as an earlier parameter.
+        "shared_params": _shared_params(engine.module),
         # Stage 0 keeps the (replicated) optimizer state here; ZeRO stages write one file per rank.
         "optimizer": engine.optimizer.state_dict() if _replicated_optimizer(engine) else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,

@@ -151,9 +151,15 @@ class DataParallelOptimizer:
     # -- state ----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        # Name every parameter index of the torch state dict, so a checkpoint can be read by name (resharding).
+        master_names = {id(m): self.names[p] for p, m in self.masters.items()}
+        master_names.update({id(p): n for p, n in self.names.items()})
         state = {
             "zero_stage": 0,
             "optimizer_state_dict": self.optimizer.state_dict(),
+            "param_names": [
+                [master_names.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups
+            ],
             "loss_scaler": self.scaler.state_dict(),
         }
         if self.plan.mixed:

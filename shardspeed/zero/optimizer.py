@@ -190,7 +190,15 @@ class ZeroOptimizer:
             "optimizer_states": [self.optimizer.state.get(m, {}) for m in self.masters],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]],
             "loss_scaler": self.scaler.state_dict(),
+            # Stage 3 parameters outside the optimizer (frozen) exist only as shards too: save them here.
+            "frozen_buckets": [u.layout() for u in self._frozen_units()],
+            "frozen_shards": [u.shard for u in self._frozen_units()],
         }
+
+    def _frozen_units(self) -> list:
+        if self.coordinator is None:
+            return []
+        return [u for u in self.coordinator.units if u.group_index is None]
 
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
         """Restore this rank's shards; with `load_optimizer_states=False` only the fp32 weights."""
@@ -200,6 +208,11 @@ class ZeroOptimizer:
             master.copy_(saved)
             if master is not bucket.shard:
                 bucket.shard.copy_(master)
+        frozen = self._frozen_units()
+        if [u.layout() for u in frozen] != state.get("frozen_buckets", []):
+            raise ValueError("the saved frozen-parameter partition layout differs from this engine's")
+        for unit, saved in zip(frozen, state.get("frozen_shards", [])):
+            unit.shard.copy_(saved)
         if not load_optimizer_states:
             self._publish_shards()
             return
