@@ -17,6 +17,7 @@ from torch import nn
 
 from shardspeed import accelerator
 from shardspeed.config import ConfigError, ShardspeedConfig, resolve_batch_sizes
+from shardspeed.runtime import memory
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.data import ShardedDataLoader
 from shardspeed.runtime.data_parallel import DataParallelOptimizer
@@ -349,6 +350,10 @@ class ShardspeedEngine(nn.Module):
 
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale if self.optimizer is not None else 1.0
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of parameters, gradients, fp32 masters, optimizer state and buffers on this rank."""
+        return memory.measure(self).as_dict()
 
     def destroy(self) -> None:
         """Remove gradient hooks so the module can be used (or wrapped again) without this engine."""

@@ -1,0 +1,102 @@
+"""Memory accounting: what model states occupy on this rank, and what the ZeRO formulas predict.
+
+`measure(engine)` counts the bytes of the tensors the engine holds, by category: the module's parameters
+(full or, in stage 3, shards plus persistent units), gradients (buckets or shards), fp32 master weights
+(when they are separate tensors), optimizer state, and communication buffers in flight. Storages shared by
+several views are counted once.
+
+`estimate(num_params, world_size, stage, dtype)` is the ZeRO paper's per-rank model-state memory for Adam
+(design.md's table), the counterpart of DeepSpeed's `estimate_zero*_model_states_mem_needs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass
+class ModelStateBytes:
+    params: int = 0
+    grads: int = 0
+    master_weights: int = 0
+    optimizer_state: int = 0
+    buffers: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master_weights + self.optimizer_state + self.buffers
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def _bytes(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t) or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def measure(engine) -> ModelStateBytes:
+    """Bytes of model states this rank holds right now (call between steps for the steady state)."""
+    seen: set = set()
+    wrapper = engine.optimizer
+    result = ModelStateBytes()
+    result.params = _bytes([p.data for p in engine.module.parameters()], seen)
+    if wrapper is None:
+        return result
+    if wrapper.zero_stage == 3:  # released parameters are empty: their memory is the shards
+        result.params += _bytes([u.shard for u in wrapper.coordinator.units], seen)
+    if wrapper.zero_stage == 0:
+        result.grads = _bytes([b.buffer for b in wrapper.reducer.buckets], seen)
+        masters = wrapper.master_flats
+    else:
+        result.grads = _bytes(wrapper.grads.flat_grads(), seen)
+        if wrapper.zero_stage == 1:
+            result.grads += _bytes([b.buffer for b in wrapper.grads.buckets], seen)
+        masters = wrapper.masters
+    result.grads += _bytes([p.grad for p in engine.module.parameters()], seen)
+    result.master_weights = _bytes(masters, seen)
+    state = wrapper.optimizer.state.values()
+    result.optimizer_state = _bytes([v for s in state for v in s.values() if torch.is_tensor(v)], seen)
+    staging = getattr(wrapper, "grads", None)
+    if staging is not None and hasattr(staging, "slots"):
+        result.buffers = _bytes([s.staging for s in staging.slots], seen)
+    return result
+
+
+def estimate(num_params: int, world_size: int, stage: int, dtype: str = "fp32",
+             optimizer_state_bytes: int = 8) -> ModelStateBytes:  # fmt: skip
+    """Per-rank model-state bytes for `num_params` parameters trained with Adam (8 bytes of state each).
+
+    fp32: parameters 4, gradients 4, optimizer 8 bytes per parameter. fp16/bf16: parameters 2, gradients 2,
+    fp32 masters 4, optimizer 8. Stage 1 divides optimizer state and masters by N, stage 2 also gradients,
+    stage 3 also parameters.
+    """
+    n, psi = world_size, num_params
+    width = BYTES[dtype]
+    mixed = dtype != "fp32"
+    return ModelStateBytes(
+        params=width * psi // (n if stage >= 3 else 1),
+        grads=width * psi // (n if stage >= 2 else 1),
+        master_weights=(4 * psi // (n if stage >= 1 else 1)) if mixed else 0,
+        optimizer_state=optimizer_state_bytes * psi // (n if stage >= 1 else 1),
+    )
+
+
+def format_estimate(num_params: int, world_size: int, dtype: str = "fp32") -> str:
+    """A table of the per-rank estimate for stages 0-3, as `estimate_zero*_model_states_mem_needs` prints."""
+    lines = [f"{num_params / 1e6:.1f}M parameters, {world_size} ranks, {dtype}, Adam", "stage | per rank"]
+    for stage in range(4):
+        lines.append(f"{stage:>5} | {estimate(num_params, world_size, stage, dtype).total / 2**30:.2f} GiB")
+    return "\n".join(lines)
