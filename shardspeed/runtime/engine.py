@@ -26,6 +26,7 @@ from shardspeed.runtime.optim import is_zero_tested_optimizer
 from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
 from shardspeed.utils.logging import log_dist
+from shardspeed.zero import init as zero_init
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
 
 
@@ -74,6 +75,9 @@ class ShardspeedEngine(nn.Module):
         self._window_loss = None
 
         self.plan = PrecisionPlan.from_config(config)
+        if self.zero_optimization_stage() < 3:  # built under zero.Init: stages 0-2 keep full parameters
+            for p in model.parameters():
+                zero_init.materialize(p)
         self.module = model.to(device=self.device, dtype=self.plan.param_dtype)
         _broadcast_from_rank0(list(self.module.parameters()) + list(self.module.buffers()), self.dp_group)
 
@@ -288,6 +292,16 @@ class ShardspeedEngine(nn.Module):
             self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
             load_module_only,
         )  # fmt: skip
+
+    def save_16bit_model(
+        self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False
+    ) -> bool:
+        """Rank 0 writes the module's weights in the training dtype (collective; see checkpoint/export.py)."""
+        from shardspeed.checkpoint.export import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model
 
     # -- getters DeepSpeed users call ----------------------------------------------------------------------
 

@@ -11,14 +11,18 @@ from shardspeed.zero.api import (
     safe_get_full_optimizer_state,
     safe_set_full_fp32_param,
     unregister_external_parameter,
+    unwrap_model_for_generation,
 )
+from shardspeed.zero.init import Init
 
 __all__ = [
     "GatheredParameters",
+    "Init",
     "register_external_parameter",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param",
     "unregister_external_parameter",
+    "unwrap_model_for_generation",
 ]

@@ -7,6 +7,8 @@ group for stages 1-3: every rank must call them.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -154,3 +156,31 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
         unit = owner[0].buckets[owner[1]]
         if unit in needs:
             needs.remove(unit)
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model):
+    """Run generation/evaluation with every parameter gathered once (ZeRO-3), hooks paused; yields the module.
+
+    Token-by-token generation would otherwise gather each layer once per token. Needs memory for the full
+    model while inside. `model` is the engine (or anything with `.module` and `.optimizer`).
+    """
+    wrapper = getattr(model, "optimizer", None)
+    module = getattr(model, "module", model)
+    coordinator = getattr(wrapper, "coordinator", None)
+    if coordinator is None:
+        yield module
+        return
+    units = sorted(coordinator.units, key=lambda u: u.names[0])
+    for unit in units:
+        unit.gather()
+        unit.refs += 1
+    coordinator.paused = True
+    try:
+        yield module
+    finally:
+        coordinator.paused = False
+        for unit in units:
+            unit.refs -= 1
+            if unit.refs == 0:
+                unit.free()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardspeed.zero.init import full_value, is_partitioned, logical_numel, logical_shape
+
 
 class FlatParamBucket:
     """Parameters of one optimizer group packed into a padded flat buffer, split into per-rank shards."""
@@ -20,8 +22,9 @@ class FlatParamBucket:
         self.params = params
         self.names = names
         self.group_index = group_index
-        self.numels = [p.numel() for p in params]
-        self.shapes = [tuple(p.shape) for p in params]
+        # Parameters built under zero.Init arrive as 1/N chunks: use their logical sizes and full values.
+        self.numels = [logical_numel(p) for p in params]
+        self.shapes = [logical_shape(p) for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
         self.shard_numel = -(-self.numel // world)
@@ -30,7 +33,9 @@ class FlatParamBucket:
         self.dtype, self.device = params[0].dtype, params[0].device
         self.flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         for p, offset, n in zip(params, self.offsets, self.numels):
-            self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+            self.flat[offset : offset + n].copy_(full_value(p).reshape(-1))
+            if is_partitioned(p):
+                del p._zero_init_shard, p._zero_init_shape, p._zero_init_group
         self.bind()
 
     def bind(self) -> None:

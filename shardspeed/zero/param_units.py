@@ -19,6 +19,7 @@ from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat
 from shardspeed.zero.flat_params import FlatParamBucket
+from shardspeed.zero.init import logical_numel
 
 
 class ParamUnit(FlatParamBucket):
@@ -98,7 +99,7 @@ def plan_units(root: nn.Module, unit_numel: int) -> list[tuple[nn.Module, list[n
 
     def visit(module: nn.Module) -> None:
         children = list(module.children())
-        if not children or sum(p.numel() for p in module.parameters()) <= unit_numel:
+        if not children or sum(logical_numel(p) for p in module.parameters()) <= unit_numel:
             params = take(module.parameters())
             if params:
                 units.append((module, params))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardspeed.zero.init import logical_numel
 from shardspeed.zero.param_units import ParamUnit, plan_units
 
 
@@ -46,6 +47,7 @@ class Stage3Coordinator:
             by_module.setdefault(unit.module, []).append(unit)
         self.owner = {id(p): unit for unit in units for p in unit.params}
         self.stack: list[nn.Module] = []  # hooked modules currently inside their forward
+        self.paused = False  # unwrap_model_for_generation: everything is gathered, hooks do nothing
         self.needs: dict[nn.Module, list[ParamUnit]] = {}
         for module, needed in self._modules_and_units(root, by_module, self.owner):
             self._hook(module, needed)
@@ -98,6 +100,8 @@ class Stage3Coordinator:
         units = self.needs[module]
 
         def pre_forward(module, args):
+            if self.paused:
+                return
             self.stack.append(module)
             for unit in units:
                 self._acquire(unit)
@@ -110,6 +114,8 @@ class Stage3Coordinator:
         units = self.needs[module]
 
         def post_forward(module, args, output):
+            if self.paused:
+                return
             self.stack.pop()
             for unit in units:
                 unit.refs -= 1
@@ -204,7 +210,7 @@ def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, p
             gi = group_of.get(id(p)) if p.requires_grad else None
             by_group.setdefault(gi, []).append(p)
         for gi, members in by_group.items():
-            persistent = sum(p.numel() for p in members) <= persistence_threshold
+            persistent = sum(logical_numel(p) for p in members) <= persistence_threshold
             unit_names = [names[p] for p in members]
             units.append(ParamUnit(root, members, unit_names, gi, world, rank, group, persistent))
     return units

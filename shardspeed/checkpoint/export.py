@@ -1,0 +1,87 @@
+"""`engine.save_16bit_model`: the module's weights in the training dtype, in one file on rank 0.
+
+Under ZeRO-3 the weights exist only as shards, so (as DeepSpeed) the export needs
+`zero_optimization.stage3_gather_16bit_weights_on_model_save: true`; it then gathers one unit at a time,
+so no rank ever holds more than the output plus one unit. A `.safetensors` file name writes safetensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardspeed.checkpoint import files
+from shardspeed.utils.logging import log_dist
+
+
+def _gathered_state_dict(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's full value (all ranks take part; rank 0 keeps CPU copies)."""
+    state = {}
+    keep = dist.get_rank() == 0
+    for unit in engine.optimizer.coordinator.units:
+        unit.gather()
+        unit.refs += 1
+        if keep:
+            for name, p in zip(unit.names, unit.params):
+                state[name] = p.detach().to("cpu", copy=True)
+        unit.refs -= 1
+        if unit.refs == 0:
+            unit.free()
+    return state
+
+
+def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
+    stage3 = engine.zero_optimization_stage() == 3
+    if stage3 and not engine._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        log_dist(
+            "save_16bit_model did nothing: under ZeRO-3 set zero_optimization."
+            "stage3_gather_16bit_weights_on_model_save to true to gather the weights for export",
+            level=30,
+        )
+        return False
+    params = _gathered_state_dict(engine) if stage3 else None
+    if dist.get_rank() == 0:
+        state = {}
+        for key, value in engine.module.state_dict().items():
+            state[key] = value.detach().cpu() if params is None or value.numel() else value
+        if params is not None:
+            shared = {alias: source for alias, source in _aliases(engine.module).items()}
+            state.update(params)
+            state.update({alias: params[source] for alias, source in shared.items()})
+        if exclude_frozen_parameters:
+            for name, p in engine.module.named_parameters():
+                if not p.requires_grad:
+                    state.pop(name, None)
+        path = Path(save_dir) / save_filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if save_filename.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in _untie(state).items()}, str(path))
+        else:
+            files.save_file(state, path)
+    dist.barrier()
+    return True
+
+
+def _aliases(module) -> dict[str, str]:
+    first, aliases = {}, {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _untie(state: dict) -> dict:
+    """safetensors refuses tensors sharing memory: give tied aliases their own copy."""
+    seen, out = set(), {}
+    for key, value in state.items():
+        ptr = value.untyped_storage().data_ptr() if value.numel() else None
+        out[key] = value.clone() if ptr is not None and ptr in seen else value
+        seen.add(ptr)
+    return out

@@ -1,0 +1,193 @@
+"""`zero.Init`: construct a model already partitioned across the data-parallel ranks.
+
+Inside the context every module's parameters are split as soon as the module's own (most-derived)
+`__init__` returns: each rank keeps a 1/N chunk of each parameter (`_zero_init_shard`) and the parameter's
+`.data` becomes empty, so a model larger than one rank's memory can be built layer by layer. Values are
+broadcast from rank 0 first, so every rank holds the same model a normal construction with the same seed
+would give. `nn.Module.apply` is patched to gather a module's parameters around the applied function (the
+usual `model.apply(init_weights)` pattern works).
+
+The engine turns these chunks into its ZeRO-3 units (or full parameters for stages 0-2) one parameter at
+a time. Code that writes into a child's parameters after the child was built, other than through `apply`,
+must wrap that code in `zero.GatheredParameters(params, modifier_rank=0)` — as with DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardspeed.comm.collectives import all_gather_flat
+
+_active = 0  # nesting depth of Init contexts
+_originals: dict[type, object] = {}
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    return getattr(param, "_zero_init_shard", None) is not None
+
+
+def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape a parameter has for the model (also while only its chunk exists)."""
+    return tuple(param._zero_init_shape) if is_partitioned(param) else tuple(param.shape)
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    numel = 1
+    for d in logical_shape(param):
+        numel *= d
+    return numel
+
+
+def full_value(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's full value (an all-gather of the chunks if it is partitioned; collective)."""
+    if not is_partitioned(param):
+        return param.detach()
+    shard, group = param._zero_init_shard, param._zero_init_group
+    full = torch.empty(shard.numel() * dist.get_world_size(group), dtype=shard.dtype, device=shard.device)
+    all_gather_flat(full, shard, group=group)
+    return full[: logical_numel(param)].view(logical_shape(param)).to(param.dtype)
+
+
+def materialize(param: torch.Tensor) -> None:
+    """Give a partitioned parameter its full value back (collective)."""
+    if is_partitioned(param):
+        param.data = full_value(param).clone()
+        del param._zero_init_shard, param._zero_init_shape, param._zero_init_group
+
+
+def _partition(param: nn.Parameter, group, dtype: torch.dtype | None) -> None:
+    if is_partitioned(param):
+        return
+    data = param.data.to(dtype) if dtype is not None and param.is_floating_point() else param.data
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(data, src=src, group=group)  # every rank starts from rank 0's values
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = -(-data.numel() // world)
+    shard = torch.zeros(chunk, dtype=data.dtype, device=data.device)
+    mine = data.reshape(-1)[rank * chunk : (rank + 1) * chunk]
+    shard[: mine.numel()].copy_(mine)
+    param._zero_init_shard, param._zero_init_shape, param._zero_init_group = shard, tuple(data.shape), group
+    param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+
+
+def _partition_module(module: nn.Module, group, dtype, recurse: bool) -> None:
+    for p in module.parameters(recurse=recurse):
+        _partition(p, group, dtype)
+
+
+class Init:
+    """Context manager (or `Init(module=model)`) partitioning parameters at construction, as DeepSpeed's."""
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear=True,
+                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None, enabled=True,
+                 dtype=None, mpu=None, zero_param_parallel_group=None, zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None,
+                 param_swapper=None):  # fmt: skip
+        from shardspeed.comm.init import init_distributed
+
+        self.enabled = enabled
+        if not enabled:
+            return
+        init_distributed()
+        self.group = data_parallel_group if data_parallel_group is not None else (
+            mpu.get_data_parallel_group() if mpu is not None else None
+        )  # fmt: skip
+        self.dtype = dtype or _dtype_from_config(config_dict_or_path or config)
+        if module is not None:
+            _partition_module(module, self.group, self.dtype, recurse=True)
+
+    def __enter__(self):
+        global _active
+        if self.enabled:
+            if _active == 0:
+                _install(self.group, self.dtype)
+            _active += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _active
+        if self.enabled:
+            _active -= 1
+            if _active == 0:
+                _uninstall()
+        return False
+
+
+def _dtype_from_config(config) -> torch.dtype | None:
+    if config is None:
+        return None
+    from shardspeed.config import load_config
+
+    cfg = load_config(config, world_size=dist.get_world_size())
+    return torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+
+
+def _init_owner(cls: type) -> type:
+    return next(c for c in cls.__mro__ if "__init__" in c.__dict__)
+
+
+def _wrap(cls: type, group, dtype) -> None:
+    original = cls.__dict__.get("__init__")
+    if original is None or cls in _originals:
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if _active and _init_owner(type(self)) is cls:  # the most-derived __init__ has finished
+            _partition_module(self, group, dtype, recurse=False)
+
+    _originals[cls] = original
+    cls.__init__ = __init__
+
+
+def _subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found.append(sub)
+        found.extend(_subclasses(sub))
+    return found
+
+
+def _install(group, dtype) -> None:
+    for cls in [nn.Module, *_subclasses(nn.Module)]:
+        _wrap(cls, group, dtype)
+
+    def init_subclass(cls, **kwargs):
+        _wrap(cls, group, dtype)
+
+    _originals["__init_subclass__"] = nn.Module.__dict__.get("__init_subclass__")
+    nn.Module.__init_subclass__ = classmethod(init_subclass)
+    _originals["apply"] = nn.Module.apply
+    nn.Module.apply = _gathering_apply
+
+
+def _uninstall() -> None:
+    original_apply = _originals.pop("apply")
+    nn.Module.apply = original_apply
+    original_subclass = _originals.pop("__init_subclass__")
+    if original_subclass is None:
+        del nn.Module.__init_subclass__
+    else:
+        nn.Module.__init_subclass__ = original_subclass
+    for cls, original in list(_originals.items()):
+        cls.__init__ = original
+    _originals.clear()
+
+
+def _gathering_apply(self: nn.Module, fn):
+    """`nn.Module.apply` whose `fn` sees full parameters; changes are re-partitioned afterwards."""
+    for child in self.children():
+        child.apply(fn)
+    partitioned = [p for p in self.parameters(recurse=False) if is_partitioned(p)]
+    groups = [p._zero_init_group for p in partitioned]
+    for p in partitioned:
+        materialize(p)
+    fn(self)
+    for p, group in zip(partitioned, groups):
+        _partition(p, group, None)
+    return self
