@@ -47,7 +47,9 @@ class Key:
     le: float | None = None
     """Largest allowed value (inclusive)."""
     aliases: tuple[str, ...] = ()
-    """Deprecated or alternative key names mapped onto this field, with a warning."""
+    """Deprecated key names mapped onto this field, with a warning."""
+    synonyms: tuple[str, ...] = ()
+    """Equally valid names DeepSpeed also accepts (e.g. ZeRO's short stage-3 names): mapped silently."""
     normalize: Callable[[Any], Any] | None = None
     """Applied to the user's value before type checking (e.g. case-folding a mode name)."""
     internal: bool = False
@@ -101,6 +103,7 @@ class _Schema:
     hints: dict[str, Any]
     keys: dict[str, Key]
     aliases: dict[str, str]
+    synonyms: frozenset[str]
     required: tuple[str, ...]
     extra_field: str | None
 
@@ -115,23 +118,25 @@ def _keys_of(hint: Any) -> list[Key]:
 def _outer_key(hint: Any) -> Key:
     keys = _keys_of(hint)
     aliases = tuple(alias for key in keys for alias in key.aliases)
-    return Key(aliases=aliases, internal=any(key.internal for key in keys))
+    synonyms = tuple(name for key in keys for name in key.synonyms)
+    return Key(aliases=aliases, synonyms=synonyms, internal=any(key.internal for key in keys))
 
 
 @functools.cache
 def _schema(cls: type) -> _Schema:
     all_hints = typing.get_type_hints(cls, include_extras=True)
-    hints, keys, aliases, required = {}, {}, {}, []
+    hints, keys, aliases, required, synonyms = {}, {}, {}, [], set()
     for f in dataclasses.fields(cls):
         key = _outer_key(all_hints[f.name])
         if key.internal:
             continue
         hints[f.name], keys[f.name] = all_hints[f.name], key
-        aliases.update(dict.fromkeys(key.aliases, f.name))
+        aliases.update(dict.fromkeys(key.aliases + key.synonyms, f.name))
+        synonyms.update(key.synonyms)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             required.append(f.name)
     extra = getattr(cls, "EXTRA_KEYS_FIELD", None)
-    return _Schema(hints, keys, aliases, tuple(required), extra)
+    return _Schema(hints, keys, aliases, frozenset(synonyms), tuple(required), extra)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,10 +183,11 @@ def _canonical_name(schema: _Schema, key: Any, data: dict, path: str, ctx: Build
                 f"{join(path, key)}: both '{join(path, key)}' and its new name '{join(path, new)}' are given; "
                 f"remove '{join(path, key)}'"
             )
-        ctx.notes.append(
-            f"config key '{join(path, key)}' is a deprecated name; its value was used as "
-            f"'{join(path, new)}' (rename it to silence this warning)"
-        )
+        if key not in schema.synonyms:
+            ctx.notes.append(
+                f"config key '{join(path, key)}' is a deprecated name; its value was used as "
+                f"'{join(path, new)}' (rename it to silence this warning)"
+            )
         return new
     if schema.extra_field is not None:
         return None

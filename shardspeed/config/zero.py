@@ -2,7 +2,7 @@
 
 Keys and code defaults follow reference §2.5. The ``stage3_*`` names are canonical here (they are the
 names DeepSpeed documents); the short names DeepSpeed also accepts (``prefetch_bucket_size``, ...) are
-aliases, mapped with a deprecation warning. Sizes are counts of elements, not bytes.
+synonyms, mapped silently; truly deprecated names warn. Sizes are counts of elements, not bytes.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class LocoConfig:
     """Steps between error-buffer resets. Default 1024."""
 
 
-_PREFETCH_ALIASES = ("prefetch_bucket_size",)
-_GATHER_ALIASES = ("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
+_PREFETCH_SYNONYMS = ("prefetch_bucket_size",)
+_GATHER_SYNONYMS = ("gather_16bit_weights_on_model_save",)
+_GATHER_DEPRECATED = ("stage3_gather_fp16_weights_on_model_save",)
 
 
 @dataclass(kw_only=True)
@@ -118,28 +119,30 @@ class ZeroConfig:
     """Optimizer-state offload (stages 1-3); null = off."""
     sub_group_size: PositiveInt = 1_000_000_000
     """Stage 3: elements per optimizer-step tile. Default 1e9 (DeepSpeed's code; its docs say 1e12)."""
-    stage3_prefetch_bucket_size: Annotated[NonNegInt, Key(aliases=_PREFETCH_ALIASES)] = 50_000_000
+    stage3_prefetch_bucket_size: Annotated[NonNegInt, Key(synonyms=_PREFETCH_SYNONYMS)] = 50_000_000
     """Stage 3: elements fetched ahead of use. Default 5e7 (DeepSpeed's code; its docs say 5e8)."""
     stage3_param_persistence_threshold: Annotated[
-        NonNegInt, Key(aliases=("param_persistence_threshold",))
+        NonNegInt, Key(synonyms=("param_persistence_threshold",))
     ] = 100_000
     """Stage 3: parameters with at most this many elements stay gathered. Default 1e5."""
     stage3_model_persistence_threshold: Annotated[
-        NonNegInt, Key(aliases=("model_persistence_threshold",))
+        NonNegInt, Key(synonyms=("model_persistence_threshold",))
     ] = sys.maxsize
     """Stage 3: cap on the total elements of persistent parameters. Default sys.maxsize."""
-    stage3_max_live_parameters: Annotated[NonNegInt, Key(aliases=("max_live_parameters",))] = 1_000_000_000
+    stage3_max_live_parameters: Annotated[NonNegInt, Key(synonyms=("max_live_parameters",))] = 1_000_000_000
     """Stage 3: most gathered elements resident at once. Default 1e9."""
-    stage3_max_reuse_distance: Annotated[NonNegInt, Key(aliases=("max_reuse_distance",))] = 1_000_000_000
+    stage3_max_reuse_distance: Annotated[NonNegInt, Key(synonyms=("max_reuse_distance",))] = 1_000_000_000
     """Stage 3: keep a parameter gathered if it is reused within this many elements. Default 1e9."""
-    stage3_gather_16bit_weights_on_model_save: Annotated[bool, Key(aliases=_GATHER_ALIASES)] = False
+    stage3_gather_16bit_weights_on_model_save: Annotated[
+        bool, Key(synonyms=_GATHER_SYNONYMS, aliases=_GATHER_DEPRECATED)
+    ] = False
     """Stage 3: gather full 16-bit weights so save_16bit_model writes a whole model. Default false."""
     stage3_module_granularity_threshold: Annotated[
-        NonNegInt, Key(aliases=("module_granularity_threshold",))
+        NonNegInt, Key(synonyms=("module_granularity_threshold",))
     ] = 0
     """Stage 3: small modules below this size become leaf modules fetched as one. Default 0 (off)."""
     stage3_use_all_reduce_for_fetch_params: Annotated[
-        bool, Key(aliases=("use_all_reduce_for_fetch_params",))
+        bool, Key(synonyms=("use_all_reduce_for_fetch_params",))
     ] = False
     """Stage 3: fetch parameters with all-reduce instead of all-gather. Default false."""
     ignore_unused_parameters: bool = True
