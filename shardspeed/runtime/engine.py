@@ -91,6 +91,7 @@ class ShardspeedEngine(nn.Module):
         self.basic_optimizer = client_optimizer
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
 
+        self._warn_offload()
         self.timers = PhaseTimers(self.device, config.wall_clock_breakdown)
         self.throughput = ThroughputMeter()
         if self.global_rank == 0:
@@ -164,6 +165,21 @@ class ShardspeedEngine(nn.Module):
         return zero_stage_1_2(
             optimizer, named, stage=stage, bucket_numel=int(zero_cfg.reduce_bucket_size), **common, **comm
         )
+
+    def _warn_offload(self) -> None:
+        zero_cfg = self._config.zero_optimization
+        asked = [
+            f"zero_optimization.{name}.device={block.device}"
+            for name, block in (
+                ("offload_optimizer", zero_cfg.offload_optimizer),
+                ("offload_param", zero_cfg.offload_param),
+            )
+            if block is not None and block.device != "none"
+        ]
+        if asked and self.device.type != "cpu":
+            log_dist(
+                f"{', '.join(asked)}: offload is not implemented yet; states stay on {self.device}", level=30
+            )
 
     def _check_zero_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if is_zero_tested_optimizer(optimizer) or self._config.zero_allow_untested_optimizer:
