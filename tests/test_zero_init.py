@@ -36,7 +36,9 @@ def _construct(stage: int) -> dict:
         by_apply = InitByApply()
     out["local_numel"] = sum(p.numel() for p in model.parameters())  # everything partitioned
     out["chunks"] = sum(p._zero_init_shard.numel() for p in model.parameters())
-    out["apply_values"] = {n: shardspeed.zero.init.full_value(p).clone() for n, p in by_apply.named_parameters()}
+    out["apply_values"] = {
+        n: shardspeed.zero.init.full_value(p).clone() for n, p in by_apply.named_parameters()
+    }
     config = base_config(zero_optimization={"stage": stage, "reduce_bucket_size": 3000,
                                             "stage3_param_persistence_threshold": 0})  # fmt: skip
     engine, *_ = shardspeed.initialize(model=model, config=config)
@@ -55,7 +57,9 @@ def _normal(stage: int) -> dict:
     torch.manual_seed(0)
     model = build_model()
     config = base_config(zero_optimization={"stage": stage, "reduce_bucket_size": 3000})
-    engine, *_ = shardspeed.initialize(model=model, model_parameters=param_groups(model, False), config=config)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=param_groups(model, False), config=config
+    )
     out = {"initial": full_params(engine)}
     data = token_batches(3, engine.train_batch_size())
     train_engine(engine, data, range(3), dist.get_rank(), dist.get_world_size())

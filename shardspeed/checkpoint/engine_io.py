@@ -7,7 +7,12 @@ Layout (stage 0), compatible in names with DeepSpeed's (reference §3):
                                                config, client_state (written by rank 0)
     <save_dir>/<tag>/rng_states_rank_<R>.pt    each rank's RNG streams (for bit-exact resume)
 
-Both calls are collective: every rank must call them.
+    <save_dir>/<tag>/zero_pp_rank_<D>_mp_rank_00_optim_states.pt
+                                               ZeRO stages 1-3: data-parallel rank D's partition
+
+Both calls are collective: every rank must call them. A checkpoint saved at another data-parallel world
+size, ZeRO stage or bucket layout is resharded on load (`_load_resharded`, via checkpoint/universal.py);
+one saved by the same layout takes the fast path that resumes bit for bit. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -86,11 +91,22 @@ def _shared_params(module) -> dict[str, str]:
     return shared
 
 
+def _param_shapes(engine) -> dict[str, tuple]:
+    """Every parameter's full shape, in the module's order (released stage-3 parameters are empty tensors:
+    their shapes come from the units' layouts)."""
+    shapes = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    if engine.zero_optimization_stage() == 3 and engine.optimizer is not None:
+        units = [*engine.optimizer.buckets, *engine.optimizer._frozen_units()]
+        shapes.update({n: tuple(s) for u in units for n, s in zip(u.names, u.shapes)})
+    return shapes
+
+
 def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
     module_state = engine.module.state_dict()
     if engine.zero_optimization_stage() == 3:
-        # Stage 3 parameters exist only as shards: they are in the per-rank partition files, not here.
-        params = {n for n, _ in engine.module.named_parameters()}
+        # Stage 3 parameters exist only as shards: they are in the per-rank partition files, not here
+        # (tied aliases included: their entries would be released, empty tensors).
+        params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
         module_state = {k: v for k, v in module_state.items() if k not in params}
     frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
     if exclude_frozen:
@@ -99,7 +115,7 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
     state = {
         "module": module_state,
         "buffer_names": [n for n, _ in engine.module.named_buffers()],
-        "param_shapes": {n: tuple(p.shape) for n, p in engine.module.named_parameters()},
+        "param_shapes": _param_shapes(engine),
         "frozen_param_names": frozen,
         # Tied weights: state-dict keys that name the same tensor as an earlier parameter.
         "shared_params": _shared_params(engine.module),
@@ -177,7 +193,12 @@ def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_s
         logger.warning(f"no checkpoint to load: {path} does not exist")
         return None, None
     state = files.load_file(path / files.model_states_name())
-    if engine.zero_optimization_stage() == 3:
+    reshard = _needs_reshard(engine, state, path)
+    if reshard:
+        _load_resharded(engine, state, path, strict, load_optimizer_states and not module_only)
+        if module_only:
+            return str(path), {}
+    elif engine.zero_optimization_stage() == 3:
         _load_stage3(engine, state, path, load_optimizer_states and not module_only)
         if module_only:
             return str(path), {}
@@ -188,6 +209,15 @@ def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_s
                 engine.optimizer.refresh_masters_from_module()
             return str(path), {}
         _load_optimizer(engine, state, load_optimizer_states, path)
+    _load_progress(engine, state, load_scheduler_states, realign=reshard)
+    _load_rng(path)
+    client_state = {k: v for k, v in state.items() if k not in ENGINE_KEYS}
+    dist.barrier()
+    return str(path), client_state
+
+
+def _load_progress(engine, state: dict, load_scheduler_states: bool, realign: bool) -> None:
+    """Scheduler, data sampler and counters."""
     if load_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     if engine.training_dataloader is not None and state.get("data_sampler"):
@@ -195,11 +225,88 @@ def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_s
     engine.global_steps = state["global_steps"]
     engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
     engine.skipped_steps = state["skipped_steps"]
-    engine.micro_steps = state.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
-    _load_rng(path)
-    client_state = {k: v for k, v in state.items() if k not in ENGINE_KEYS}
-    dist.barrier()
-    return str(path), client_state
+    gas = engine.gradient_accumulation_steps()
+    engine.micro_steps = state.get("micro_steps", engine.global_steps * gas)
+    if realign and engine.micro_steps % gas:
+        # Resharded with another accumulation count (the same global batch over another world size): start
+        # the next accumulation window at its beginning, as the saved run would have.
+        engine.micro_steps = engine.global_steps * gas
+
+
+def _needs_reshard(engine, state: dict, path: Path) -> bool:
+    """True when the checkpoint's partitioning differs from this engine's: another data-parallel world
+    size, ZeRO stage, or (stages 1-3) bucket layout, e.g. after changing reduce_bucket_size."""
+    saved_stage, stage = state.get("zero_stage", 0), engine.zero_optimization_stage()
+    if engine.optimizer is None:  # nothing partitioned here: only stage-3 parameters need assembling
+        return saved_stage == 3 or stage == 3
+    if state.get("dp_world_size", 1) != engine.world_size or saved_stage != stage:
+        return True
+    if stage == 0:
+        return False
+    partition = path / files.zero_optim_states_name(engine.dp_rank)
+    if not partition.is_file():
+        return False  # the same-layout path reports the missing file
+    try:
+        saved = torch.load(partition, map_location="cpu", weights_only=True, mmap=True)[
+            "optimizer_state_dict"
+        ]
+    except Exception:
+        return False  # ditto for a corrupt one
+    ours = [b.layout() for b in engine.optimizer.buckets]
+    frozen = [u.layout() for u in engine.optimizer._frozen_units()]
+    return saved.get("buckets") != ours or saved.get("frozen_buckets", []) != frozen
+
+
+def _load_resharded(engine, state: dict, path: Path, strict: bool, load_optimizer_states: bool) -> None:
+    """Load a checkpoint of any stage and world size: every rank assembles its own shards by name."""
+    from shardspeed.checkpoint.universal import CheckpointReader
+
+    reader = CheckpointReader(path, model_states=state)
+    log_dist(
+        f"resharding checkpoint {path}: saved at ZeRO stage {reader.zero_stage} by {reader.world_size} "
+        f"data-parallel ranks, loading at stage {engine.zero_optimization_stage()} on {engine.world_size}",
+        ranks=[0],
+    )
+    _check_same_model(engine, reader, strict, path)
+    restored: set[str] = set()
+    with torch.no_grad():
+        if engine.optimizer is not None:
+            restored = engine.optimizer.load_universal(reader, load_optimizer_states)
+        # Parameters outside the optimizer wrapper (frozen ones at stages 0-2, or no optimizer at all).
+        for name, param in engine.module.named_parameters():
+            if name not in restored and reader.has_value(name):
+                param.data.copy_(reader.fp32(name))
+    missing, unexpected = engine.module.load_state_dict(reader.buffers(), strict=False)
+    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    missing = [k for k in missing if k not in params]
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"checkpoint {path} buffers do not match the model: missing {missing}, unexpected {unexpected}"
+        )
+
+
+def _check_same_model(engine, reader, strict: bool, path: Path) -> None:
+    ours = _param_shapes(engine)
+    saved = reader.param_shapes()
+    mismatched = [
+        f"{name!r}: checkpoint {tuple(saved[name])}, model {shape}"
+        for name, shape in ours.items()
+        if name in saved and tuple(saved[name]) != shape
+    ]
+    if mismatched:
+        shown = "; ".join(mismatched[:6]) + (
+            f"; and {len(mismatched) - 6} more" if len(mismatched) > 6 else ""
+        )
+        raise CheckpointError(
+            f"checkpoint {path} was saved from a different model: {len(mismatched)} parameter shapes differ ({shown})"
+        )
+    missing = [n for n in ours if not reader.has_value(n)]
+    unexpected = [n for n in saved if n not in ours]
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: missing parameters {missing[:6]}, unexpected "
+            f"{unexpected[:6]} (load_module_strict=False loads the rest)"
+        )
 
 
 def _load_module(engine, state: dict, strict: bool, path: Path) -> None:
@@ -231,7 +338,7 @@ def _load_stage3(engine, state: dict, path: Path, load_optimizer_states: bool) -
     if state.get("zero_stage") != 3:
         raise CheckpointError(f"checkpoint {path} was saved at ZeRO stage {state.get('zero_stage')}, not 3")
     missing, unexpected = engine.module.load_state_dict(state["module"], strict=False)
-    params = {n for n, _ in engine.module.named_parameters()}
+    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     if unexpected or [k for k in missing if k not in params]:
         raise CheckpointError(f"checkpoint {path} buffers do not match the model: {missing + unexpected}")
     saved = files.load_file(path / files.zero_optim_states_name(engine.dp_rank))["optimizer_state_dict"]

@@ -184,3 +184,45 @@ class DataParallelOptimizer:
         """Reset fp32 masters from the module's (possibly just loaded) low-precision parameters."""
         for p, master in self.masters.items():
             master.copy_(p.detach())
+
+    @torch.no_grad()
+    def load_universal(self, reader, load_optimizer_states: bool = True) -> set[str]:
+        """Restore from a checkpoint of any ZeRO stage and world size, read by name (`CheckpointReader`).
+
+        Sets every managed parameter and its fp32 master from the saved fp32 value; with
+        `load_optimizer_states`, also each parameter's optimizer state, the groups' hyper-parameters and the
+        fp16 loss scale. Returns the names restored (the engine restores the other parameters).
+        """
+        for p, name in self.names.items():
+            value = reader.fp32(name)
+            if p in self.masters:
+                self.masters[p].copy_(value)
+            p.data.copy_(value)
+        if load_optimizer_states and reader.has_optimizer_state:
+            self._load_universal_state(reader)
+        return set(self.names.values())
+
+    def _load_universal_state(self, reader) -> None:
+        from shardspeed.checkpoint.universal import (
+            load_group_hyperparameters,
+            place_state,
+            restore_loss_scaler,
+        )
+
+        name_of = {id(self.masters.get(p, p)): name for p, name in self.names.items()}
+        group_of = {}
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for tensor in group["params"]:
+                name = name_of.get(id(tensor))
+                if name is None:
+                    continue
+                group_of[name] = gi
+                saved = reader.optimizer_state(name)
+                if saved:
+                    self.optimizer.state[tensor] = {
+                        k: place_state(k, v, tensor, group) for k, v in saved.items()
+                    }
+                else:
+                    self.optimizer.state.pop(tensor, None)
+        load_group_hyperparameters(reader, self.optimizer.param_groups, group_of)
+        restore_loss_scaler(reader, self.scaler)

@@ -186,7 +186,8 @@ class ZeroOptimizer:
             "world_size": dist.get_world_size(self.group),
             "rank": dist.get_rank(self.group),
             "buckets": [b.layout() for b in self.buckets],
-            "fp32_shards": [m.float() for m in self.masters],
+            # clone: in fp32 a master is a view into the whole bucket, and torch.save writes whole storages
+            "fp32_shards": [m.clone() if m._base is not None else m for m in self.masters],
             "optimizer_states": [self.optimizer.state.get(m, {}) for m in self.masters],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]],
             "loss_scaler": self.scaler.state_dict(),
@@ -224,6 +225,94 @@ class ZeroOptimizer:
             group.update(saved)
         self.scaler.load_state_dict(state["loss_scaler"])
         self._publish_shards()
+
+    # -- resharding: this rank's shards assembled by name from a checkpoint of any stage and world size -----
+
+    @torch.no_grad()
+    def load_universal(self, reader, load_optimizer_states: bool = True) -> set[str]:
+        """Restore from a checkpoint of any ZeRO stage and world size, read by name (`CheckpointReader`).
+
+        Stage 1/2: every rank reads its buckets' full parameters (they are replicated) and slices its fp32
+        master shard out of them — no collective. Stage 3: every rank reads only its shards' fragments, then
+        persistent units re-gather (collective). Padding is zero, as in a fresh bucket. Returns the names
+        restored (the engine restores the other parameters).
+        """
+        from shardspeed.checkpoint.universal import load_group_hyperparameters, restore_loss_scaler
+
+        with_state = load_optimizer_states and reader.has_optimizer_state
+        restored: set[str] = set()
+        for index, bucket in enumerate(self.buckets):
+            if self.zero_stage == 3:
+                self._assemble_shard(index, reader)
+            else:
+                self._assemble_full(index, reader)
+            if with_state:
+                self._assemble_state(index, reader)
+            restored.update(bucket.names)
+        for unit in self._frozen_units():
+            unit.shard.zero_()
+            for _, name, in_param, in_shard, length in unit.fragments():
+                if reader.has_value(name):
+                    unit.shard[in_shard : in_shard + length].copy_(
+                        reader.fp32_slice(name, in_param, in_param + length)
+                    )
+                    restored.add(name)
+        if with_state:
+            group_of = {name: b.group_index for b in self.buckets for name in b.names}
+            load_group_hyperparameters(reader, self.optimizer.param_groups, group_of)
+            restore_loss_scaler(reader, self.scaler)
+        if self.coordinator is not None:
+            self.coordinator.after_step()  # persistent units re-gather their new values
+        return restored
+
+    def _assemble_full(self, index: int, reader) -> None:
+        """Stage 1/2: the bucket's full parameters from the reader, and this rank's fp32 master shard."""
+        bucket, master = self.buckets[index], self.masters[index]
+        inside = {i: (in_param, in_shard, length) for i, _, in_param, in_shard, length in bucket.fragments()}
+        bucket.flat[bucket.numel :].zero_()
+        if master is not bucket.shard:
+            master.zero_()
+        for i, (name, offset, numel) in enumerate(zip(bucket.names, bucket.offsets, bucket.numels)):
+            value = reader.fp32(name).reshape(-1)
+            bucket.flat[offset : offset + numel].copy_(value)
+            if i in inside and master is not bucket.shard:
+                in_param, in_shard, length = inside[i]
+                master[in_shard : in_shard + length].copy_(value[in_param : in_param + length])
+
+    def _assemble_shard(self, index: int, reader) -> None:
+        """Stage 3: only the fragments of this rank's shard, into the fp32 master and the 16-bit shard."""
+        bucket, master = self.buckets[index], self.masters[index]
+        master.zero_()
+        for _, name, in_param, in_shard, length in bucket.fragments():
+            master[in_shard : in_shard + length].copy_(reader.fp32_slice(name, in_param, in_param + length))
+        if master is not bucket.shard:
+            bucket.shard.copy_(master)
+
+    def _assemble_state(self, index: int, reader) -> None:
+        """This rank's slice of every per-element optimizer state of a bucket; scalar state (Adam's step)
+        from the bucket's first parameter that has one, so a shard of only padding gets it too."""
+        from shardspeed.checkpoint.universal import place_state
+
+        bucket, master = self.buckets[index], self.masters[index]
+        group = self.optimizer.param_groups[bucket.group_index]
+        state: dict = {}
+        for name in bucket.names:
+            state = {
+                k: place_state(k, v, master, group)
+                for k, v in reader.optimizer_state_slice(name, 0, 0)[1].items()
+            }
+            if state:
+                break
+        for _, name, in_param, in_shard, length in bucket.fragments():
+            elements, _ = reader.optimizer_state_slice(name, in_param, in_param + length)
+            for key, value in elements.items():
+                if key not in state:
+                    state[key] = torch.zeros_like(master)
+                state[key][in_shard : in_shard + length].copy_(value)
+        if state:
+            self.optimizer.state[master] = state
+        else:
+            self.optimizer.state.pop(master, None)
 
 
 def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, plan, scaler, gradient_clipping,
