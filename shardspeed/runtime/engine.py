@@ -155,8 +155,7 @@ class ShardspeedEngine(nn.Module):
                 self.module,
                 optimizer,
                 named,
-                # Units of at most this many elements are gathered whole (about one transformer block).
-                unit_numel=int(min(zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size)),
+                unit_numel=self._stage3_unit_numel(),
                 persistence_threshold=int(zero_cfg.stage3_param_persistence_threshold),
                 prefetch=int(zero_cfg.stage3_prefetch_bucket_size) > 0,
                 **common,
@@ -165,6 +164,13 @@ class ShardspeedEngine(nn.Module):
         return zero_stage_1_2(
             optimizer, named, stage=stage, bucket_numel=int(zero_cfg.reduce_bucket_size), **common, **comm
         )
+
+    def _stage3_unit_numel(self) -> int:
+        """Largest unit gathered whole: the prefetch/bucket sizes, and at most a quarter of the model, so
+        that even a small model spans several units and gathers overlap the compute of earlier ones."""
+        zero_cfg = self._config.zero_optimization
+        total = sum(zero_init.logical_numel(p) for p in {id(p): p for p in self.module.parameters()}.values())
+        return int(min(zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size, max(1, total // 4)))
 
     def _warn_offload(self) -> None:
         zero_cfg = self._config.zero_optimization

@@ -48,6 +48,7 @@ class Stage3Coordinator:
         self.owner = {id(p): unit for unit in units for p in unit.params}
         self.stack: list[nn.Module] = []  # hooked modules currently inside their forward
         self.paused = False  # unwrap_model_for_generation: everything is gathered, hooks do nothing
+        self._lingering: ParamUnit | None = None  # released in forward, freed at the next acquire
         self.needs: dict[nn.Module, list[ParamUnit]] = {}
         for module, needed in self._modules_and_units(root, by_module, self.owner):
             self._hook(module, needed)
@@ -120,7 +121,7 @@ class Stage3Coordinator:
             for unit in units:
                 unit.refs -= 1
                 if unit.refs == 0 and not unit.awaiting_grads:
-                    unit.free()
+                    self._release_later(unit)
             if torch.is_grad_enabled() and units:
                 for tensor in _output_tensors(output):
                     tensor.register_hook(self._make_pre_backward(units))
@@ -138,7 +139,30 @@ class Stage3Coordinator:
 
         return pre_backward
 
+    def _release_later(self, unit: ParamUnit) -> None:
+        """Free the previously released unit and keep this one until the next acquire.
+
+        The last unit to finish its forward is the first one backward needs: keeping it saves a gather
+        (FSDP2's reshard_after_forward=False for the root). At most one released unit lingers.
+        """
+        lingering, self._lingering = self._lingering, unit
+        if (
+            lingering is not None
+            and lingering is not unit
+            and lingering.refs == 0
+            and not lingering.awaiting_grads
+        ):
+            lingering.free()
+
     def _acquire(self, unit: ParamUnit) -> None:
+        lingering, self._lingering = self._lingering, None
+        if (
+            lingering is not None
+            and lingering is not unit
+            and lingering.refs == 0
+            and not lingering.awaiting_grads
+        ):
+            lingering.free()
         unit.gather()
         unit.refs += 1
         if id(unit) not in self._seen:
@@ -163,6 +187,7 @@ class Stage3Coordinator:
 
     def end_of_backward(self) -> None:
         """Release everything still gathered (unused parameters, frozen ones, wrong prefetch guesses)."""
+        self._lingering = None
         for unit in self.units:
             unit.awaiting_grads = False
             if unit.refs == 0:
