@@ -91,8 +91,8 @@ class ShardspeedConfig:
     """With optimizer offload, require DeepSpeed's CPU optimizer. Default true."""
 
     # ---- gradients and communication (§2.4) ----
-    gradient_clipping: NonNegFloat = 0.0
-    """Clip gradients to this global norm; 0 = off. Default 0.0 (DeepSpeed's code; its docs say 1.0)."""
+    gradient_clipping: NonNegFloat = 1.0
+    """Clip gradients to this global norm; 0 = off. Default 1.0, as DeepSpeed 0.19.8's code (0.16 used 0.0)."""
     prescale_gradients: bool = False
     """Divide gradients by the world size before the all-reduce instead of after. Default false."""
     gradient_predivide_factor: PositiveFloat = 1.0

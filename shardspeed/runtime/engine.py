@@ -143,7 +143,10 @@ class ShardspeedEngine(nn.Module):
         )
         if stage == 0:
             reducer = BucketedAllReducer(
-                bucket_layout([[p for _, p in named]], int(zero_cfg.reduce_bucket_size)),
+                [
+                    params
+                    for _, params in bucket_layout([[p for _, p in named]], int(zero_cfg.reduce_bucket_size))
+                ],
                 accum_dtype=self.plan.grad_accum_dtype,
                 comm_dtype=self.plan.comm_dtype,
                 **comm,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import reduce_scatter_flat
+from shardspeed.zero.init import logical_numel
 
 
 class GradBucket:
@@ -56,24 +57,39 @@ class GradBucket:
         self.comm_buffer = None
 
 
-def bucket_layout(param_groups: list[list[nn.Parameter]], bucket_numel: int) -> list[list[nn.Parameter]]:
-    """Split parameters into buckets of at most `bucket_numel` elements (a larger parameter gets its own).
+# DeepSpeed's default reduce_bucket_size (5e8 elements) puts a whole model in one bucket, whose reduction can
+# only start when backward ends. Capping buckets at DDP's sizes (25 MiB, and 1 MiB for the first, which
+# fills earliest) lets communication overlap compute; a smaller configured size still wins.
+BUCKET_CAP_NUMEL = 25 * 2**20 // 4
+FIRST_BUCKET_CAP_NUMEL = 2**20 // 4
+
+
+def bucket_layout(
+    param_groups: list[list[nn.Parameter]], bucket_numel: int
+) -> list[tuple[int, list[nn.Parameter]]]:
+    """Split parameters into `(group index, parameters)` buckets of bounded size (a larger parameter gets
+    its own bucket).
 
     Gradients arrive roughly in reverse registration order, so the first bucket holds the last layers.
     Buckets never span optimizer parameter groups, so a bucket's shard can be stepped with its group's
     hyper-parameters.
     """
-    buckets = []
-    for params in reversed(param_groups):
+    buckets: list[tuple[int, list[nn.Parameter]]] = []
+
+    def limit() -> int:
+        return min(bucket_numel, FIRST_BUCKET_CAP_NUMEL if not buckets else BUCKET_CAP_NUMEL)
+
+    for group_index in reversed(range(len(param_groups))):
         current, size = [], 0
-        for p in reversed(params):
-            if current and size + p.numel() > bucket_numel:
-                buckets.append(current)
+        for p in reversed(param_groups[group_index]):
+            numel = logical_numel(p)
+            if current and size + numel > limit():
+                buckets.append((group_index, current))
                 current, size = [], 0
             current.append(p)
-            size += p.numel()
+            size += numel
         if current:
-            buckets.append(current)
+            buckets.append((group_index, current))
     return buckets
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat
-from shardspeed.runtime.grad_buckets import BucketedAllReducer
+from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan
 from shardspeed.zero.flat_params import FlatParamBucket
 from shardspeed.zero.sharded_grads import ShardedGradReducer
@@ -32,24 +32,13 @@ from shardspeed.zero.stage3 import Stage3Coordinator, build_units
 
 
 def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[FlatParamBucket]:
-    """Flat buckets of the trainable parameters of each optimizer group (buckets never span groups).
-
-    Later groups and later parameters come first: gradients arrive in roughly reverse order.
-    """
+    """Flat buckets of the trainable parameters of each optimizer group (buckets never span groups)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    buckets = []
-    for gi in reversed(range(len(optimizer.param_groups))):
-        params = [p for p in optimizer.param_groups[gi]["params"] if p.requires_grad]
-        current, size = [], 0
-        for p in reversed(params):
-            if current and size + p.numel() > bucket_numel:
-                buckets.append(FlatParamBucket(current, [names[q] for q in current], gi, world, rank))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel()
-        if current:
-            buckets.append(FlatParamBucket(current, [names[q] for q in current], gi, world, rank))
-    return buckets
+    groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    return [
+        FlatParamBucket(params, [names[p] for p in params], group_index, world, rank)
+        for group_index, params in bucket_layout(groups, bucket_numel)
+    ]
 
 
 class ZeroOptimizer:
