@@ -80,7 +80,7 @@ def _validate_tag(engine, tag: str) -> None:
         log_dist(message, ranks=[0], level=30)
 
 
-def _shared_params(module) -> dict[str, str]:
+def shared_params(module) -> dict[str, str]:
     first: dict[int, str] = {}
     shared = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -118,7 +118,7 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
         "param_shapes": _param_shapes(engine),
         "frozen_param_names": frozen,
         # Tied weights: state-dict keys that name the same tensor as an earlier parameter.
-        "shared_params": _shared_params(engine.module),
+        "shared_params": shared_params(engine.module),
         # Stage 0 keeps the (replicated) optimizer state here; ZeRO stages write one file per rank.
         "optimizer": engine.optimizer.state_dict() if _replicated_optimizer(engine) else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,

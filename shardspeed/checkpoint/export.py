@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.checkpoint import files
+from shardspeed.checkpoint.engine_io import shared_params
 from shardspeed.utils.logging import log_dist
 
 
@@ -48,7 +49,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
         for key, value in engine.module.state_dict().items():
             state[key] = value.detach().cpu() if params is None or value.numel() else value
         if params is not None:
-            shared = {alias: source for alias, source in _aliases(engine.module).items()}
+            shared = shared_params(engine.module)
             state.update(params)
             state.update({alias: params[source] for alias, source in shared.items()})
         if exclude_frozen_parameters:
@@ -65,16 +66,6 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
             files.save_file(state, path)
     dist.barrier()
     return True
-
-
-def _aliases(module) -> dict[str, str]:
-    first, aliases = {}, {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
 
 
 def _untie(state: dict) -> dict:

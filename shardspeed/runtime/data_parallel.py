@@ -11,13 +11,11 @@ locally and agree everywhere without another collective.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from shardspeed.runtime.grad_buckets import BucketedAllReducer
-from shardspeed.runtime.precision import LossScaler, PrecisionPlan
+from shardspeed.runtime.precision import LossScaler, PrecisionPlan, step_multiplier
 
 
 class DataParallelOptimizer:
@@ -93,20 +91,12 @@ class DataParallelOptimizer:
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary. Returns False when fp16 overflow skipped it."""
-        scaled_norm = self._global_norm()
-        self.overflow = not math.isfinite(scaled_norm) and self.scaler.dynamic
+        self.overflow, self.grad_norm, multiplier = step_multiplier(
+            self._global_norm(), self.scaler, self.clip
+        )
         if self.overflow:
-            self.grad_norm = scaled_norm
-            self.scaler.update(True)
             self.zero_grad()
             return False
-        scale = self.scaler.loss_scale
-        self.grad_norm = scaled_norm / scale
-        multiplier = 1.0 / scale
-        if self.clip > 0:
-            clip_coef = self.clip / (self.grad_norm + 1e-6)
-            if clip_coef < 1.0:
-                multiplier *= clip_coef
         if self.plan.mixed:
             self._step_masters(multiplier)
         else:

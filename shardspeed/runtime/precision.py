@@ -9,6 +9,7 @@ by a scale so small gradients survive the backward pass. The scaler below is Dee
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -144,3 +145,20 @@ class NoScaler(LossScaler):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
+
+
+def step_multiplier(scaled_norm: float, scaler: LossScaler, clip: float) -> tuple[bool, float, float]:
+    """From the global norm of the scaled gradients: (overflow, true norm, gradient multiplier).
+
+    The multiplier folds loss unscaling and clipping (DeepSpeed's `k = max(1, norm / clip)`, which equals
+    torch's `clip / (norm + 1e-6)` coefficient) into one number. On fp16 overflow the scaler is updated
+    here and the step must be skipped.
+    """
+    if not math.isfinite(scaled_norm) and scaler.dynamic:
+        scaler.update(True)
+        return True, scaled_norm, 0.0
+    norm = scaled_norm / scaler.loss_scale
+    multiplier = 1.0 / scaler.loss_scale
+    if clip > 0 and clip / (norm + 1e-6) < 1.0:
+        multiplier *= clip / (norm + 1e-6)
+    return False, norm, multiplier

@@ -25,7 +25,7 @@ from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
-from shardspeed.runtime.precision import LossScaler, PrecisionPlan
+from shardspeed.runtime.precision import LossScaler, PrecisionPlan, step_multiplier
 from shardspeed.zero.flat_params import FlatParamBucket
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units
@@ -110,18 +110,12 @@ class ZeroOptimizer:
         return math.sqrt(local.item())
 
     def step(self) -> bool:
-        scaled_norm = self._global_norm()
-        self.overflow = not math.isfinite(scaled_norm) and self.scaler.dynamic
+        self.overflow, self.grad_norm, multiplier = step_multiplier(
+            self._global_norm(), self.scaler, self.clip
+        )
         if self.overflow:
-            self.grad_norm = scaled_norm
-            self.scaler.update(True)
             self.zero_grad()
             return False
-        scale = self.scaler.loss_scale
-        self.grad_norm = scaled_norm / scale
-        multiplier = 1.0 / scale
-        if self.clip > 0 and self.clip / (self.grad_norm + 1e-6) < 1.0:
-            multiplier *= self.clip / (self.grad_norm + 1e-6)
         for master, grad in zip(self.masters, self.grads.flat_grads()):
             master.grad = grad.to(torch.float32, copy=grad.dtype != master.dtype)
             if multiplier != 1.0:

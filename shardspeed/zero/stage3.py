@@ -145,24 +145,21 @@ class Stage3Coordinator:
         The last unit to finish its forward is the first one backward needs: keeping it saves a gather
         (FSDP2's reshard_after_forward=False for the root). At most one released unit lingers.
         """
-        lingering, self._lingering = self._lingering, unit
+        self._free_lingering(keep=unit)
+        self._lingering = unit
+
+    def _free_lingering(self, keep: ParamUnit) -> None:
+        lingering, self._lingering = self._lingering, None
         if (
             lingering is not None
-            and lingering is not unit
+            and lingering is not keep
             and lingering.refs == 0
             and not lingering.awaiting_grads
         ):
             lingering.free()
 
     def _acquire(self, unit: ParamUnit) -> None:
-        lingering, self._lingering = self._lingering, None
-        if (
-            lingering is not None
-            and lingering is not unit
-            and lingering.refs == 0
-            and not lingering.awaiting_grads
-        ):
-            lingering.free()
+        self._free_lingering(keep=unit)
         unit.gather()
         unit.refs += 1
         if id(unit) not in self._seen:
