@@ -1,0 +1,116 @@
+"""Steady-state model-state memory per rank, from RSS, against the ZeRO formula (issue: 50M params, fp32 Adam).
+
+    python benchmarks/zero_memory.py --params 50e6 --world 2 --systems shardspeed deepspeed
+
+Each (system, stage) runs in fresh spawned ranks. A rank records its RSS after start-up (torch imported,
+process group up), builds a parameter-heavy MLP, trains three steps with Adam, frees what it can
+(`gc.collect()` + glibc `malloc_trim(0)`, as in DeepSpeed's measurement) and records RSS again. The
+difference is the model states plus whatever the system keeps between steps; it is compared with the
+formula: stage 0 16Ψ, stage 1 (4+4+8/N)Ψ, stage 2 (4+12/N)Ψ, stage 3 16Ψ/N bytes, target within 5% + 32 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import torch
+from torch import nn
+
+from harness import run_ranks
+
+WIDTH = 2048
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim() -> None:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _mlp(num_params: float) -> nn.Module:
+    layers = max(1, round(num_params / (WIDTH * WIDTH + WIDTH)))
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+
+
+def formula(num_params: int, world: int, stage: int) -> int:
+    """fp32 Adam model states per rank: parameters 4, gradients 4, optimizer state 8 bytes each."""
+    per_param = {0: 16, 1: 8 + 8 / world, 2: 4 + 12 / world, 3: 16 / world}[stage]
+    return int(per_param * num_params)
+
+
+def _config(stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+
+
+def _run(system: str, stage: int, num_params: float) -> dict:
+    import torch.distributed as dist
+
+    if system == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed as engine_lib
+    else:
+        import shardspeed as engine_lib
+    engine_lib.init_distributed(dist_backend="gloo")
+    dist.barrier()
+    _trim()
+    before = _rss()
+    torch.manual_seed(0)
+    model = _mlp(num_params)
+    count = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    engine, *_ = engine_lib.initialize(model=model, optimizer=optimizer, config=_config(stage))
+    del model, optimizer
+    for _ in range(3):
+        x = torch.randn(2, WIDTH)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    _trim()
+    return {"params": count, "delta": _rss() - before}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=50e6)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--systems", nargs="+", default=["shardspeed"], choices=["shardspeed", "deepspeed"])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_memory.md"))
+    args = parser.parse_args()
+    rows = ["| system | stage | params | RSS delta/rank MiB | formula MiB | ratio | within 5% + 32 MiB |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    raw = []
+    for system in args.systems:
+        for stage in range(4):
+            result = max(
+                run_ranks(_run, args.world, system, stage, args.params, timeout=900), key=lambda r: r["delta"]
+            )
+            expected = formula(result["params"], args.world, stage)
+            ok = result["delta"] <= 1.05 * expected + 32 * 2**20
+            rows.append(f"| {system} | {stage} | {result['params'] / 1e6:.1f}M | {result['delta'] / 2**20:,.0f} | "
+                        f"{expected / 2**20:,.0f} | {result['delta'] / expected:.2f}x | {'yes' if ok else 'no'} |")  # fmt: skip
+            raw.append({"system": system, "stage": stage, **result, "formula": expected})
+            print(rows[-1], flush=True)
+    header = (f"# ZeRO model-state memory per rank (RSS after malloc_trim), fp32 Adam, world {args.world}\n\n"
+              "Measured by `python benchmarks/zero_memory.py`: RSS after three steps minus RSS after start-up, "
+              "for the rank using more.\n\n")  # fmt: skip
+    Path(args.out).write_text(header + "\n".join(rows) + "\n")
+    Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=1))
+
+
+if __name__ == "__main__":
+    main()
