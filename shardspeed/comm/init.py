@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -72,3 +73,11 @@ def init_distributed(
         world_size=world_size,
         timeout=timeout or default_timeout(),
     )
+    # We created the group, so we tear it down: left to interpreter shutdown, torch 2.13's Gloo group
+    # is sometimes destroyed after the threads it needs, and the process aborts after a finished run.
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
