@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from shardspeed.runtime.grad_buckets import BucketedAllReducer
+from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan, step_multiplier
 
 
-class DataParallelOptimizer:
+class DataParallelOptimizer(OptimizerWrapper):
     """Wraps a torch optimizer for stage 0. `engine.optimizer` is this object; `.optimizer` is the torch one."""
 
     zero_stage = 0
@@ -64,16 +65,6 @@ class DataParallelOptimizer:
             group["params"] = [self.masters.get(p, p) for p in group["params"]]
 
     # -- the optimizer protocol the engine drives ---------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.loss_scale
-
-    cur_scale = loss_scale
 
     def backward_begin(self, is_boundary: bool) -> None:
         self.reducer.sync_enabled = is_boundary

@@ -25,6 +25,7 @@ from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
+from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan, step_multiplier
 from shardspeed.zero.flat_params import FlatParamBucket
 from shardspeed.zero.sharded_grads import ShardedGradReducer
@@ -41,7 +42,7 @@ def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[Flat
     ]
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(OptimizerWrapper):
     """The ZeRO optimizer wrapper the engine drives (same protocol as `DataParallelOptimizer`).
 
     `buckets` are the flat buckets (stage 1/2) or parameter units (stage 3) whose shards this rank steps;
@@ -81,16 +82,6 @@ class ZeroOptimizer:
             group_dict["params"] = mine + others
 
     # -- the optimizer protocol the engine drives ---------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.loss_scale
-
-    cur_scale = loss_scale
 
     def backward_begin(self, is_boundary: bool) -> None:
         self.grads.sync_enabled = is_boundary or self.zero_stage == 2
