@@ -16,7 +16,7 @@ from torch import nn
 
 from shardspeed.runtime.grad_buckets import BucketedAllReducer
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
-from shardspeed.runtime.precision import LossScaler, PrecisionPlan, step_multiplier
+from shardspeed.runtime.precision import LossScaler, PrecisionPlan
 
 
 class DataParallelOptimizer(OptimizerWrapper):
@@ -80,21 +80,11 @@ class DataParallelOptimizer(OptimizerWrapper):
         norms = torch.stack([torch.linalg.vector_norm(f, dtype=torch.float32) for f in flats])
         return torch.linalg.vector_norm(norms).item()  # one device sync per step, as DeepSpeed
 
-    def step(self) -> bool:
-        """Apply the optimizer at an accumulation boundary. Returns False when fp16 overflow skipped it."""
-        self.overflow, self.grad_norm, multiplier = step_multiplier(
-            self._global_norm(), self.scaler, self.clip
-        )
-        if self.overflow:
-            self.zero_grad()
-            return False
+    def _apply(self, multiplier: float) -> None:
         if self.plan.mixed:
             self._step_masters(multiplier)
         else:
             self._step_in_place(multiplier)
-        self.scaler.update(False)
-        self.zero_grad()
-        return True
 
     def _step_in_place(self, multiplier: float) -> None:
         flats = self.reducer.flat_grads()

@@ -8,10 +8,37 @@ as on DeepSpeed's optimizer wrappers. `optimizer` is the wrapped torch optimizer
 
 from __future__ import annotations
 
+from shardspeed.runtime.precision import step_multiplier
+
 
 class OptimizerWrapper:
     optimizer = None  # the torch optimizer
     scaler = None  # the LossScaler
+    clip = 0.0  # gradient_clipping
+
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary. Returns False when fp16 overflow skipped it."""
+        self.overflow, self.grad_norm, multiplier = step_multiplier(
+            self._global_norm(), self.scaler, self.clip
+        )
+        if self.overflow:
+            self.zero_grad()
+            return False
+        self._apply(multiplier)
+        self.scaler.update(False)
+        self.zero_grad()
+        return True
+
+    def _global_norm(self) -> float:
+        """L2 norm of the averaged, still loss-scaled gradients across all ranks (inf/nan on overflow)."""
+        raise NotImplementedError
+
+    def _apply(self, multiplier: float) -> None:
+        """Scale the gradients by `multiplier`, step the torch optimizer, publish the new parameters."""
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError
 
     @property
     def param_groups(self) -> list[dict]:

@@ -26,7 +26,7 @@ from torch import nn
 from shardspeed.comm.collectives import all_gather_flat
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
-from shardspeed.runtime.precision import LossScaler, PrecisionPlan, step_multiplier
+from shardspeed.runtime.precision import LossScaler, PrecisionPlan
 from shardspeed.zero.flat_params import FlatParamBucket
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units
@@ -84,7 +84,8 @@ class ZeroOptimizer(OptimizerWrapper):
     # -- the optimizer protocol the engine drives ---------------------------------------------------------
 
     def backward_begin(self, is_boundary: bool) -> None:
-        self.grads.sync_enabled = is_boundary or self.zero_stage == 2
+        if self.zero_stage == 1:  # stages 2 and 3 reduce every micro-step (their gradients are shards)
+            self.grads.sync_enabled = is_boundary
 
     def backward_end(self) -> None:
         self.grads.finish()
@@ -100,13 +101,7 @@ class ZeroOptimizer(OptimizerWrapper):
         dist.all_reduce(local, group=self.group)
         return math.sqrt(local.item())
 
-    def step(self) -> bool:
-        self.overflow, self.grad_norm, multiplier = step_multiplier(
-            self._global_norm(), self.scaler, self.clip
-        )
-        if self.overflow:
-            self.zero_grad()
-            return False
+    def _apply(self, multiplier: float) -> None:
         for master, grad in zip(self.masters, self.grads.flat_grads()):
             master.grad = grad.to(torch.float32, copy=grad.dtype != master.dtype)
             if multiplier != 1.0:
@@ -117,9 +112,6 @@ class ZeroOptimizer(OptimizerWrapper):
             if self.plan.mixed:
                 bucket.shard.copy_(master)
         self._publish_shards()
-        self.scaler.update(False)
-        self.zero_grad()
-        return True
 
     def _publish_shards(self) -> None:
         """Make updated shards visible: stage 1/2 all-gather every bucket now; stage 3 gathers on use."""

@@ -52,7 +52,6 @@ class ShardedGradReducer:
         self.prescale = prescale_gradients
         self.predivide = gradient_predivide_factor
         self.slots = [_Slot(b, accum_dtype) for b in buckets]
-        self.sync_enabled = True
         self._next_launch = 0
         self._in_flight: deque = deque()
         self._hooks = [
@@ -117,9 +116,6 @@ class ShardedGradReducer:
         slot.staging = None
 
     # -- engine-facing -------------------------------------------------------------------------------------
-
-    def backward_begin(self, is_boundary: bool) -> None:
-        del is_boundary  # stage 2 reduces every micro-step
 
     def finish(self) -> None:
         while self._next_launch < len(self.slots):
