@@ -39,6 +39,7 @@ class Stage3Coordinator:
         self.units = units
         self.prefetch = prefetch
         self.order: list[ParamUnit] = []  # first gathers of the previous step, in order
+        self._position: dict[int, int] = {}
         self._this_step: list[ParamUnit] = []
         self._seen: set[int] = set()
         self._hooks = []
@@ -133,7 +134,8 @@ class Stage3Coordinator:
             for unit in units:
                 if not unit.gathered or unit._work is not None:
                     unit.gather()
-                unit.awaiting_grads = unit.group_index is not None or unit.awaiting_grads
+                if unit.group_index is not None:  # frozen units wait for end_of_backward instead
+                    unit.awaiting_grads = True
             self._prefetch_after(units[0], step=-1)
             return grad
 
@@ -168,9 +170,10 @@ class Stage3Coordinator:
 
     def _prefetch_after(self, unit: ParamUnit, step: int) -> None:
         """Start gathering the unit that followed (forward) or preceded (backward) `unit` last step."""
-        if not self.prefetch or unit not in self.order:
+        position = self._position.get(id(unit))
+        if not self.prefetch or position is None:
             return
-        index = self.order.index(unit) + step
+        index = position + step
         if 0 <= index < len(self.order) and not self.order[index].gathered:
             self.order[index].gather(async_op=True)
 
@@ -190,6 +193,7 @@ class Stage3Coordinator:
             if unit.refs == 0:
                 unit.free()
         self.order, self._this_step, self._seen = self._this_step or self.order, [], set()
+        self._position = {id(u): i for i, u in enumerate(self.order)}  # pre-forward hooks look up here
 
     def after_step(self) -> None:
         for unit in self.units:
