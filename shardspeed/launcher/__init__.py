@@ -15,27 +15,15 @@ Nothing here imports torch at module level: the launcher starts before any rank 
 
 from __future__ import annotations
 
-import logging
 import sys
+
+from shardspeed.utils.logging import make_logger
 
 
 class LauncherError(Exception):
     """A problem with the user's input or machine, reported as one clear line before anything starts."""
 
 
-def _make_logger() -> logging.Logger:
-    # Own logger rather than shardspeed.utils.logging: that one imports torch.distributed (~1.5 s here),
-    # which the launcher never needs.
-    log = logging.getLogger("shardspeed.launcher")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[shardspeed launcher] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
-
-
-log = _make_logger()
+log = make_logger("shardspeed.launcher", "shardspeed launcher", sys.stderr)
 
 __all__ = ["LauncherError", "log"]

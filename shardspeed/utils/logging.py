@@ -1,23 +1,32 @@
-"""The package logger and `log_dist`, which prints only on chosen ranks."""
+"""The package logger, `make_logger` for the launcher's own, and `log_dist`, which prints on chosen ranks.
+
+Nothing here imports torch: the launcher logs before (and without) ever loading it.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-import torch.distributed as dist
 
-logger = logging.getLogger("shardspeed")
-if not logger.handlers:
-    _handler = logging.StreamHandler(sys.stdout)
-    _handler.setFormatter(logging.Formatter("[shardspeed %(levelname)s] %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+def make_logger(name: str, tag: str, stream=sys.stdout) -> logging.Logger:
+    """A logger printing `[tag LEVEL] message` to `stream`, not propagating to the root logger."""
+    log = logging.getLogger(name)
+    if not log.handlers:
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter(f"[{tag} %(levelname)s] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+logger = make_logger("shardspeed", "shardspeed")
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    dist = sys.modules.get("torch.distributed")  # never imported just to ask
+    return dist.get_rank() if dist is not None and dist.is_available() and dist.is_initialized() else 0
 
 
 def log_dist(message: str, ranks: list[int] | None = (0,), level: int = logging.INFO) -> None:
