@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from models import TinyGPT, token_batches
+from models import DynamicGPT, TinyGPT, token_batches
 
 LR, MIN_LR, WARMUP = 1e-2, 1e-3, 4
 
@@ -56,6 +56,8 @@ def train_engine(engine, data: torch.Tensor, steps: range, rank: int, world: int
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     losses = []
     for step in steps:
+        if hasattr(engine.module, "set_step"):  # DynamicGPT
+            engine.module.set_step(step)
         for m in range(gas):
             loss = engine(micro_batch(data, step, m, rank, world, micro))
             engine.backward(loss)
@@ -64,8 +66,8 @@ def train_engine(engine, data: torch.Tensor, steps: range, rank: int, world: int
     return losses
 
 
-def build_model(frozen: bool = False, **model_kwargs) -> TinyGPT:
-    model = TinyGPT(**model_kwargs)
+def build_model(frozen: bool = False, dynamic: bool = False, **model_kwargs) -> TinyGPT:
+    model = (DynamicGPT if dynamic else TinyGPT)(**model_kwargs)
     if frozen:
         model.pos.requires_grad_(False)  # a frozen parameter: never updated, never reduced
     return model
@@ -90,7 +92,7 @@ def engine_run(config: dict, world: int, steps: int, seed: int = 0, options=None
 
     options = options or {}
     torch.manual_seed(seed)
-    model = build_model(options.get("frozen", False))
+    model = build_model(options.get("frozen", False), options.get("dynamic", False))
     engine, *_ = shardspeed.initialize(
         model=model,
         model_parameters=param_groups(model, options.get("groups", False)),
@@ -137,16 +139,23 @@ def reference_run(steps: int, world: int, micro: int = 2, gas: int = 2, clip: fl
     """Single-process reference: the same global batches, plain torch AdamW, torch's clip_grad_norm_."""
     options = options or {}
     torch.manual_seed(seed)
-    model = build_model(options.get("frozen", False))
+    model = build_model(options.get("frozen", False), options.get("dynamic", False))
     groups = param_groups(model, options.get("groups", False))
     opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
     data = token_batches(steps, micro * gas * world)
     for step in range(steps):
+        if hasattr(model, "set_step"):
+            model.set_step(step)
         for group in opt.param_groups:
             group["lr"] = warmup_lr(step)
         for m in range(gas):
             for r in range(world):
                 (model(micro_batch(data, step, m, r, world, micro)) / (gas * world)).backward()
+        for p in model.parameters():
+            # A trainable parameter unused this step is stepped with a zero gradient (moments decay, weight
+            # decay applies), as DeepSpeed and DDP's bucketed gradients do; torch would skip it.
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()

@@ -50,6 +50,31 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+class DynamicGPT(TinyGPT):
+    """TinyGPT whose execution changes with the step (set by the training loop through `set_step`): odd steps
+    run the blocks in reverse order, and every third step skips the first block, whose parameters then get
+    no gradient. ZeRO-3's recorded order is wrong on every step and some units are never gathered."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.step = 0
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def forward(self, tokens):
+        blocks = list(self.blocks)
+        if self.step % 3 == 2:
+            blocks = blocks[1:]
+        if self.step % 2 == 1:
+            blocks = blocks[::-1]
+        x = self.tok(tokens[:, :-1]) + self.pos[: tokens.shape[1] - 1]
+        for block in blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
 def token_batches(steps: int, batch: int, seq: int = 17, vocab: int = 64, seed: int = 1234) -> torch.Tensor:
     """`steps` global batches of random tokens, shape [steps, batch, seq]."""
     g = torch.Generator().manual_seed(seed)

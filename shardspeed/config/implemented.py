@@ -24,7 +24,29 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "prescale_gradients",
         "gradient_predivide_factor",
         "communication_data_type",
-        "zero_optimization",  # all stages and keys: the engine decides what each stage supports
+        # ZeRO: every stage, and the keys the engine honours. Some are honoured by construction:
+        # gradients always live in contiguous buckets (contiguous_gradients), every rank owns a slice of
+        # every bucket (round_robin_gradients' balance), one collective per bucket
+        # (use_multi_rank_bucket_allreduce), and checkpoints always load at any world size
+        # (elastic_checkpoint). Offload, ZeRO++, MiCS and the rest are accepted and warned about.
+        "zero_optimization.stage",
+        "zero_optimization.contiguous_gradients",
+        "zero_optimization.reduce_scatter",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.use_multi_rank_bucket_allreduce",
+        "zero_optimization.allgather_partitions",
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.overlap_comm",
+        "zero_optimization.elastic_checkpoint",
+        "zero_optimization.sub_group_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.stage3_model_persistence_threshold",
+        "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.stage3_max_reuse_distance",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.legacy_stage1",
+        "zero_optimization.round_robin_gradients",
         "data_types",
         "steps_per_print",
         "wall_clock_breakdown",

@@ -45,6 +45,11 @@ class OffloadParamConfig:
     pin_memory: bool = False
     """Use page-locked CPU memory (faster copies, less pageable memory). Default false."""
 
+    @property
+    def enabled(self) -> bool:
+        """Offload is on unless the device is "none" (a block naming no device changes nothing)."""
+        return self.device != "none"
+
     def validate(self, path: str) -> None:
         _check_nvme_path(self, path)
 
@@ -69,6 +74,11 @@ class OffloadOptimizerConfig:
     """Faster optimizer initialisation when offloading to NVMe. Default false."""
     ratio: Annotated[float, Key(ge=0, le=1)] = 1.0
     """Fraction of the optimizer step run on CPU (ZeRO-3 only below 1). Default 1.0."""
+
+    @property
+    def enabled(self) -> bool:
+        """Offload is on unless the device is "none" (a block naming no device changes nothing)."""
+        return self.device != "none"
 
     def validate(self, path: str) -> None:
         _check_nvme_path(self, path)
@@ -108,7 +118,7 @@ class ZeroConfig:
     allgather_bucket_size: PositiveInt = 500_000_000
     """Stage 1/2: elements per all-gather of updated parameters. Default 5e8."""
     overlap_comm: bool | None = None
-    """Overlap gradient reduction with backward; null = true for stage 3, false otherwise (resolved on load)."""
+    """Overlap gradient reduction with backward; null = true (DeepSpeed: true for stage 3 only)."""
     load_from_fp32_weights: bool = True
     """On load, restore fp32 master weights from the checkpoint's fp32 copy. Default true."""
     elastic_checkpoint: bool = False
@@ -175,9 +185,11 @@ class ZeroConfig:
     """Stage 3: log invalidations of the parameter-fetch trace. Default false."""
 
     def __post_init__(self) -> None:
-        # DeepSpeed's default depends on the stage: overlapping helps stage 3 the most.
+        # DeepSpeed defaults to overlapping only in stage 3, because its overlap doubles the gradient buffers.
+        # Ours costs nothing in stages 0-1 (reduction is in place) and at most two staging buckets in stages
+        # 2-3, so it is on unless turned off.
         if self.overlap_comm is None:
-            self.overlap_comm = self.stage == 3
+            self.overlap_comm = True
 
     def validate(self, path: str) -> None:
         if self.legacy_stage1:

@@ -91,7 +91,6 @@ class ShardspeedEngine(nn.Module):
         self.basic_optimizer = client_optimizer
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
 
-        self._warn_offload()
         self.timers = PhaseTimers(self.device, config.wall_clock_breakdown)
         self.throughput = ThroughputMeter()
         if self.global_rank == 0:
@@ -153,19 +152,33 @@ class ShardspeedEngine(nn.Module):
             )
             return DataParallelOptimizer(optimizer, named, reducer=reducer, **common)
         self._check_zero_optimizer(optimizer)
+        comm["overlap_comm"] = bool(zero_cfg.overlap_comm)
+        # sub_group_size bounds the elements one optimizer step sees per rank: each bucket or unit is at most
+        # sub_group_size elements per rank.
+        sub_group_numel = int(zero_cfg.sub_group_size) * dist.get_world_size(self.dp_group)
         if stage == 3:
             return zero_stage_3(
                 self.module,
                 optimizer,
                 named,
-                unit_numel=self._stage3_unit_numel(),
+                unit_numel=min(self._stage3_unit_numel(), sub_group_numel),
                 persistence_threshold=int(zero_cfg.stage3_param_persistence_threshold),
-                prefetch=int(zero_cfg.stage3_prefetch_bucket_size) > 0,
+                model_persistence_threshold=int(zero_cfg.stage3_model_persistence_threshold),
+                prefetch_numel=int(zero_cfg.stage3_prefetch_bucket_size),
+                max_live_numel=int(zero_cfg.stage3_max_live_parameters),
+                max_reuse_distance=int(zero_cfg.stage3_max_reuse_distance),
                 **common,
                 **comm,
             )
         return zero_stage_1_2(
-            optimizer, named, stage=stage, bucket_numel=int(zero_cfg.reduce_bucket_size), **common, **comm
+            optimizer,
+            named,
+            stage=stage,
+            bucket_numel=min(int(zero_cfg.reduce_bucket_size), sub_group_numel),
+            allgather_numel=int(zero_cfg.allgather_bucket_size),
+            use_reduce_scatter=bool(zero_cfg.reduce_scatter),
+            **common,
+            **comm,
         )
 
     def _stage3_unit_numel(self) -> int:
@@ -174,21 +187,6 @@ class ShardspeedEngine(nn.Module):
         zero_cfg = self._config.zero_optimization
         total = sum(zero_init.logical_numel(p) for p in {id(p): p for p in self.module.parameters()}.values())
         return int(min(zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size, max(1, total // 4)))
-
-    def _warn_offload(self) -> None:
-        zero_cfg = self._config.zero_optimization
-        asked = [
-            f"zero_optimization.{name}.device={block.device}"
-            for name, block in (
-                ("offload_optimizer", zero_cfg.offload_optimizer),
-                ("offload_param", zero_cfg.offload_param),
-            )
-            if block is not None and block.device != "none"
-        ]
-        if asked and self.device.type != "cpu":
-            log_dist(
-                f"{', '.join(asked)}: offload is not implemented yet; states stay on {self.device}", level=30
-            )
 
     def _check_zero_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if is_zero_tested_optimizer(optimizer) or self._config.zero_allow_untested_optimizer:

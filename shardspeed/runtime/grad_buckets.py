@@ -10,8 +10,13 @@ communication of late layers overlaps the backward pass of early ones. Buckets a
 index order on every rank: Gloo and NCCL need the same sequence of collectives on all ranks, and a parameter
 that gets no gradient on one rank must not reorder it. `finish()` flushes what is left and waits.
 
-ZeRO stage 1 uses the same buckets with `reduce_scatter=True`: each bucket is padded to a multiple of the world
-size, and an in-place reduce-scatter leaves each rank the average of its own contiguous slice (`shard`).
+ZeRO stage 1 uses the same buckets with `sharded=True`: each bucket is padded to a multiple of the world size,
+and an in-place reduce-scatter leaves each rank the average of its own contiguous slice (`shard`); with
+`use_reduce_scatter=False` (DeepSpeed's `reduce_scatter: false`) the whole bucket is all-reduced instead and
+the rank keeps its slice — twice the traffic, for networks where all-reduce is the faster collective.
+
+`overlap_comm=False` waits for each bucket's collective as soon as it is launched, so reduction no longer
+runs behind the rest of backward.
 """
 
 from __future__ import annotations
@@ -105,7 +110,9 @@ class BucketedAllReducer:
         group=None,
         prescale_gradients: bool = False,
         gradient_predivide_factor: float = 1.0,
-        reduce_scatter: bool = False,
+        sharded: bool = False,
+        use_reduce_scatter: bool = True,
+        overlap_comm: bool = True,
     ):
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -113,11 +120,13 @@ class BucketedAllReducer:
         self.comm_dtype = comm_dtype
         self.prescale = prescale_gradients
         self.predivide = gradient_predivide_factor
-        self.reduce_scatter = reduce_scatter
+        self.sharded = sharded
+        self.use_reduce_scatter = sharded and use_reduce_scatter
+        self.overlap_comm = overlap_comm
         params = [p for bucket in buckets for p in bucket]
         self.grads_are_views = all(p.dtype == accum_dtype for p in params)
         device = params[0].device if params else torch.device("cpu")
-        shards = self.world_size if reduce_scatter else 1
+        shards = self.world_size if sharded else 1
         self.buckets = [GradBucket(b, accum_dtype, device, shards) for b in buckets]
         self.sync_enabled = True  # False on micro-steps inside the accumulation window
         self._next_launch = 0
@@ -179,11 +188,13 @@ class BucketedAllReducer:
         if tensor.dtype != self.comm_dtype:
             bucket.comm_buffer = tensor.to(self.comm_dtype)
             tensor = bucket.comm_buffer
-        if self.reduce_scatter:  # in place: this rank's slice receives the sum of everyone's slice
+        if self.use_reduce_scatter:  # in place: this rank's slice receives the sum of everyone's slice
             own = bucket.shard(tensor, self.rank)
             bucket.work = reduce_scatter_flat(own, tensor, group=self.group, async_op=True)
         else:
             bucket.work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        if not self.overlap_comm:
+            bucket.work.wait()
 
     # -- engine-facing -------------------------------------------------------------------------------------
 
@@ -200,7 +211,7 @@ class BucketedAllReducer:
             reduced = self.reduced_grad(bucket)
             if bucket.comm_buffer is not None:
                 source = bucket.comm_buffer
-                reduced.copy_(bucket.shard(source, self.rank) if self.reduce_scatter else source)
+                reduced.copy_(bucket.shard(source, self.rank) if self.sharded else source)
             if post != 1.0:
                 reduced.mul_(post)
             bucket.reset()
@@ -208,7 +219,7 @@ class BucketedAllReducer:
 
     def reduced_grad(self, bucket: GradBucket) -> torch.Tensor:
         """The part of a bucket that holds averaged gradients: all of it, or this rank's shard (ZeRO-1)."""
-        return bucket.shard(bucket.buffer, self.rank) if self.reduce_scatter else bucket.buffer
+        return bucket.shard(bucket.buffer, self.rank) if self.sharded else bucket.buffer
 
     def flat_grads(self) -> list[torch.Tensor]:
         return [self.reduced_grad(b) for b in self.buckets]

@@ -3,11 +3,12 @@
 Both stages keep full parameters on every rank, packed into `FlatParamBucket`s. Each rank steps only its
 shard: the inner torch optimizer sees one tensor per bucket (the fp32 master of the shard, or in fp32
 training the shard of the parameters themselves), so its state exists for 1/N of the model. After the step
-each bucket is all-gathered in place, and every rank's module again holds the full, updated parameters.
+each bucket is all-gathered in place, and every rank's module again holds the full, updated parameters
+(at most `allgather_bucket_size` elements in flight at once).
 
 The stages differ only in where gradients live (reference §5.1):
 - stage 1: full gradient buckets as in stage 0, reduce-scattered at the accumulation boundary
-  (`BucketedAllReducer(reduce_scatter=True)`);
+  (`BucketedAllReducer(sharded=True)`);
 - stage 2: only the shard is kept, reduce-scattered bucket by bucket during every backward
   (`ShardedGradReducer`).
 
@@ -61,8 +62,10 @@ class ZeroOptimizer(OptimizerWrapper):
         gradient_clipping: float,
         group=None,
         coordinator=None,
+        allgather_numel: int = 500_000_000,
     ):
         self.zero_stage = stage
+        self.allgather_numel = allgather_numel
         self.optimizer = optimizer
         self.buckets, self.grads, self.coordinator = buckets, grads, coordinator
         self.plan, self.scaler, self.clip, self.group = plan, scaler, gradient_clipping, group
@@ -118,8 +121,15 @@ class ZeroOptimizer(OptimizerWrapper):
         if self.coordinator is not None:
             self.coordinator.after_step()
             return
-        works = [all_gather_flat(b.flat, b.shard, group=self.group, async_op=True) for b in self.buckets]
-        for work in works:
+        in_flight, numel = [], 0
+        for bucket in self.buckets:
+            if in_flight and numel + bucket.padded_numel > self.allgather_numel:
+                for work in in_flight:
+                    work.wait()
+                in_flight, numel = [], 0
+            in_flight.append(all_gather_flat(bucket.flat, bucket.shard, group=self.group, async_op=True))
+            numel += bucket.padded_numel
+        for work in in_flight:
             work.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -281,29 +291,28 @@ class ZeroOptimizer(OptimizerWrapper):
             self.optimizer.state.pop(master, None)
 
 
-def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, plan, scaler, gradient_clipping,
-                   group=None, prescale_gradients=False, gradient_predivide_factor=1.0) -> ZeroOptimizer:  # fmt: skip
+def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, allgather_numel: int, plan, scaler,
+                   gradient_clipping, group=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
+    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm."""
     buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group)
     reduce_kwargs = dict(
-        accum_dtype=plan.grad_accum_dtype,
-        comm_dtype=plan.comm_dtype,
-        group=group,
-        prescale_gradients=prescale_gradients,
-        gradient_predivide_factor=gradient_predivide_factor,
+        accum_dtype=plan.grad_accum_dtype, comm_dtype=plan.comm_dtype, group=group, **reduce_options
     )
     if stage == 1:
-        grads = BucketedAllReducer([b.params for b in buckets], reduce_scatter=True, **reduce_kwargs)
+        grads = BucketedAllReducer([b.params for b in buckets], sharded=True, **reduce_kwargs)
     else:
         grads = ShardedGradReducer(buckets, **reduce_kwargs)
     return ZeroOptimizer(
         optimizer, buckets, grads, stage=stage, plan=plan, scaler=scaler, gradient_clipping=gradient_clipping,
-        group=group,
+        group=group, allgather_numel=allgather_numel,
     )  # fmt: skip
 
 
 def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int, persistence_threshold: int,
-                 prefetch: bool, plan, scaler, gradient_clipping, group=None, prescale_gradients=False,
-                 gradient_predivide_factor=1.0) -> ZeroOptimizer:  # fmt: skip
+                 model_persistence_threshold: int, prefetch_numel: int, max_live_numel: int,
+                 max_reuse_distance: int, plan, scaler, gradient_clipping, group=None,
+                 **reduce_options) -> ZeroOptimizer:  # fmt: skip
+    """`reduce_options`: prescale_gradients, gradient_predivide_factor, overlap_comm."""
     names = {p: n for n, p in module.named_parameters()}
     units = build_units(
         module,
@@ -311,18 +320,24 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         names,
         unit_numel=unit_numel,
         persistence_threshold=persistence_threshold,
+        model_persistence_threshold=model_persistence_threshold,
         group=group,
     )
-    coordinator = Stage3Coordinator(module, units, prefetch=prefetch)
+    coordinator = Stage3Coordinator(
+        module,
+        units,
+        prefetch_numel=prefetch_numel,
+        max_live_numel=max_live_numel,
+        max_reuse_distance=max_reuse_distance,
+    )
     trainable = [u for u in units if u.group_index is not None]
     grads = ShardedGradReducer(
         list(reversed(trainable)),  # gradients arrive in reverse forward order
         accum_dtype=plan.grad_accum_dtype,
         comm_dtype=plan.comm_dtype,
         group=group,
-        prescale_gradients=prescale_gradients,
-        gradient_predivide_factor=gradient_predivide_factor,
-        after_launch=coordinator.on_unit_reduced,
+        on_grads_staged=coordinator.on_unit_grads_staged,
+        **reduce_options,
     )
     return ZeroOptimizer(
         optimizer, list(reversed(trainable)), grads, stage=3, plan=plan, scaler=scaler,

@@ -22,11 +22,21 @@ from shardspeed.zero.flat_params import FlatParamBucket
 from shardspeed.zero.init import logical_numel
 
 
+class LiveNumel:
+    """Elements of non-persistent units gathered right now, across all units (`stage3_max_live_parameters`)."""
+
+    def __init__(self) -> None:
+        self.numel = 0
+
+
 class ParamUnit(FlatParamBucket):
     """A flat bucket whose full buffer exists only while gathered; the shard has its own storage."""
 
-    def __init__(self, module: nn.Module, params, names, group_index, world, rank, group, persistent: bool):
+    def __init__(self, module: nn.Module, params, names, group_index, world, rank, group, persistent: bool,
+                 live: LiveNumel | None = None):  # fmt: skip
         super().__init__(params, names, group_index, world, rank)
+        self.live = live if live is not None else LiveNumel()
+        self._counted = False  # this unit's full buffer is included in live.numel
         self.module = module
         self.group = group
         self.persistent = persistent
@@ -54,6 +64,9 @@ class ParamUnit(FlatParamBucket):
         """Start (or finish) the all-gather of every rank's shard into a fresh full buffer."""
         if self.flat is None:
             self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            if not self.persistent:
+                self.live.numel += self.padded_numel
+                self._counted = True
             self._work = all_gather_flat(self.flat, self._shard, group=self.group, async_op=True)
         if not async_op:
             self.wait()
@@ -72,6 +85,9 @@ class ParamUnit(FlatParamBucket):
         for p in self.params:
             p.data = self._empty
         self.flat = None
+        if self._counted:
+            self.live.numel -= self.padded_numel
+            self._counted = False
 
     def refresh(self) -> None:
         """After an optimizer step: persistent units re-gather their updated values, others stay released."""

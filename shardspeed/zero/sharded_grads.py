@@ -4,7 +4,9 @@ No full-size gradient buffer persists. As autograd produces a parameter's gradie
 its bucket's staging buffer (in the communication dtype) and frees it; a complete bucket is reduce-scattered
 asynchronously — in bucket index order on every rank — and this rank's averaged slice is added to a
 persistent shard accumulator. At most `MAX_IN_FLIGHT` staging buffers wait on the network at once, which
-bounds the transient memory to a few buckets. Reduction happens every micro-step, as in DeepSpeed.
+bounds the transient memory to a few buckets (none wait with `overlap_comm=False`). Reduction happens every
+micro-step, as in DeepSpeed. `use_reduce_scatter=False` (DeepSpeed's `reduce_scatter: false`) all-reduces
+the whole staging buffer and keeps this rank's slice of it.
 """
 
 from __future__ import annotations
@@ -43,12 +45,18 @@ class ShardedGradReducer:
         group=None,
         prescale_gradients: bool = False,
         gradient_predivide_factor: float = 1.0,
-        after_launch=None,
+        on_grads_staged=None,
+        use_reduce_scatter: bool = True,
+        overlap_comm: bool = True,
     ):
         self.group = group
-        self.after_launch = after_launch  # stage 3: the bucket's full parameters can be released now
+        # stage 3: called once a bucket's gradients are all in its staging buffer, so its full parameters
+        # can be released even when an earlier bucket holds up the (strictly ordered) launches
+        self.on_grads_staged = on_grads_staged
         self.world_size = dist.get_world_size(group)
         self.comm_dtype = comm_dtype
+        self.use_reduce_scatter = use_reduce_scatter
+        self.max_in_flight = MAX_IN_FLIGHT if overlap_comm else 0
         self.prescale = prescale_gradients
         self.predivide = gradient_predivide_factor
         self.slots = [_Slot(b, accum_dtype) for b in buckets]
@@ -78,6 +86,8 @@ class ShardedGradReducer:
             if not slot.ready[index]:
                 slot.ready[index] = True
                 slot.num_ready += 1
+                if slot.num_ready == len(slot.bucket.params) and self.on_grads_staged is not None:
+                    self.on_grads_staged(slot.bucket)
             self._launch_ready()
 
         return on_grad_accumulated
@@ -100,13 +110,16 @@ class ShardedGradReducer:
             slot.staging.mul_(1.0 / self.predivide)
         rank = dist.get_rank(self.group)
         own = slot.staging[rank * slot.bucket.shard_numel : (rank + 1) * slot.bucket.shard_numel]
-        work = reduce_scatter_flat(own, slot.staging, group=self.group, async_op=True)
+        if self.use_reduce_scatter:
+            work = reduce_scatter_flat(own, slot.staging, group=self.group, async_op=True)
+        else:
+            work = dist.all_reduce(slot.staging, group=self.group, async_op=True)
         slot.launched = True
-        if self.after_launch is not None:
-            self.after_launch(slot.bucket)
+        if slot.num_ready < len(slot.bucket.params) and self.on_grads_staged is not None:
+            self.on_grads_staged(slot.bucket)  # some parameters got no gradient: nothing more will come
         self._in_flight.append((slot, own, work))
         self._next_launch += 1
-        while len(self._in_flight) > MAX_IN_FLIGHT:
+        while len(self._in_flight) > self.max_in_flight:
             self._complete(*self._in_flight.popleft())
 
     def _complete(self, slot: _Slot, own: torch.Tensor, work) -> None:

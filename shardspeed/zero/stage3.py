@@ -2,15 +2,25 @@
 
 The coordinator puts hooks on every module that roots a unit (param_units.py) and on every module that uses
 a parameter owned by another unit (tied weights):
-- forward pre-hook: gather the units (waiting on a prefetch if one is in flight), then prefetch the unit
+- forward pre-hook: gather the units (waiting on a prefetch if one is in flight), then prefetch the units
   that came next in the previous step's order;
-- forward hook: release them, and hook the outputs so that their backward gathers the units again;
+- forward hook: release them, or keep them for backward when they are reused soon, and hook the outputs so
+  that their backward gathers the units again;
 - gradient hooks (the stage 2 reducer): once a unit's last gradient is produced its full parameters are
   released and its gradient is reduce-scattered into this rank's shard.
 
-The order of gathers is recorded every step and only used as a prefetch hint, so a module whose execution
-order changes between steps still works: a wrong guess costs one early gather, never a hang, as long as all
-ranks run the same modules (the same requirement collectives always have).
+DeepSpeed's knobs, in elements (persistent units never count):
+- `stage3_prefetch_bucket_size`: how far ahead of use units are gathered (at least the next unit);
+- `stage3_max_live_parameters`: no prefetch and no keeping beyond this many gathered elements; a unit
+  that must be gathered evicts units kept for backward first;
+- `stage3_max_reuse_distance`: after its forward a unit stays gathered if, in the recorded order, fewer
+  than this many elements are gathered before backward needs it again (twice the units after it). With
+  DeepSpeed's defaults (1e9) a model under ~0.5B parameters is gathered once per step, not twice; set
+  it to 0 to keep only the last unit and hold peak memory near one unit.
+
+The order of gathers is recorded every step and only used as a hint, so a module whose execution order
+changes between steps still works: a wrong guess costs an early gather, never a hang, as long as all ranks
+run the same modules (the same requirement collectives always have).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import torch
 from torch import nn
 
 from shardspeed.zero.init import logical_numel
-from shardspeed.zero.param_units import ParamUnit, plan_units
+from shardspeed.zero.param_units import LiveNumel, ParamUnit, plan_units
 
 
 def _output_tensors(output) -> list[torch.Tensor]:
@@ -35,11 +45,17 @@ def _output_tensors(output) -> list[torch.Tensor]:
 class Stage3Coordinator:
     """Gathers and releases parameter units around each module's forward and backward."""
 
-    def __init__(self, root: nn.Module, units: list[ParamUnit], prefetch: bool = True):
+    def __init__(self, root: nn.Module, units: list[ParamUnit], *, prefetch_numel: int = 50_000_000,
+                 max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000):  # fmt: skip
         self.units = units
-        self.prefetch = prefetch
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.live = units[0].live if units else LiveNumel()  # shared by all units (build_units)
         self.order: list[ParamUnit] = []  # first gathers of the previous step, in order
         self._position: dict[int, int] = {}
+        self._reuse_distance: dict[int, int] = {}  # unit id -> elements gathered between forward and backward
+        self._kept: list[ParamUnit] = []  # released in forward but kept gathered for their backward
         self._this_step: list[ParamUnit] = []
         self._seen: set[int] = set()
         self._hooks = []
@@ -122,7 +138,7 @@ class Stage3Coordinator:
             for unit in units:
                 unit.refs -= 1
                 if unit.refs == 0 and not unit.awaiting_grads:
-                    self._release_later(unit)
+                    self._release_after_forward(unit)
             if torch.is_grad_enabled() and units:
                 for tensor in _output_tensors(output):
                     tensor.register_hook(self._make_pre_backward(units))
@@ -141,27 +157,42 @@ class Stage3Coordinator:
 
         return pre_backward
 
-    def _release_later(self, unit: ParamUnit) -> None:
-        """Free the previously released unit and keep this one until the next acquire.
-
-        The last unit to finish its forward is the first one backward needs: keeping it saves a gather
-        (FSDP2's reshard_after_forward=False for the root). At most one released unit lingers.
-        """
+    def _release_after_forward(self, unit: ParamUnit) -> None:
+        """Keep the unit for its backward if it is reused soon enough, else let it linger until the next
+        acquire (a unit used again right away, such as a tied embedding, then costs no gather)."""
+        if unit.persistent:
+            return
+        distance = self._reuse_distance.get(id(unit))
+        if (
+            torch.is_grad_enabled()
+            and distance is not None
+            and distance <= self.max_reuse_distance
+            and self.live.numel <= self.max_live_numel
+        ):
+            if self._lingering is unit:
+                self._lingering = None
+            if unit not in self._kept:
+                self._kept.append(unit)
+            return
         self._free_lingering(keep=unit)
         self._lingering = unit
 
     def _free_lingering(self, keep: ParamUnit) -> None:
         lingering, self._lingering = self._lingering, None
-        if (
-            lingering is not None
-            and lingering is not keep
-            and lingering.refs == 0
-            and not lingering.awaiting_grads
-        ):
+        if lingering is not None and lingering is not keep and _idle(lingering):
             lingering.free()
+
+    def _make_room(self, numel: int) -> None:
+        """Free units kept for backward, those needed last first, until `numel` more elements fit."""
+        while self._kept and self.live.numel + numel > self.max_live_numel:
+            unit = self._kept.pop(0)
+            if _idle(unit):
+                unit.free()
 
     def _acquire(self, unit: ParamUnit) -> None:
         self._free_lingering(keep=unit)
+        if not unit.gathered and not unit.persistent:
+            self._make_room(unit.padded_numel)
         unit.gather()
         unit.refs += 1
         if id(unit) not in self._seen:
@@ -169,31 +200,50 @@ class Stage3Coordinator:
             self._this_step.append(unit)
 
     def _prefetch_after(self, unit: ParamUnit, step: int) -> None:
-        """Start gathering the unit that followed (forward) or preceded (backward) `unit` last step."""
+        """Start gathering the units that followed (forward, step 1) or preceded (backward, step -1) `unit`
+        last step, up to `prefetch_numel` elements ahead and within the live budget."""
         position = self._position.get(id(unit))
-        if not self.prefetch or position is None:
+        if not self.prefetch_numel or position is None:
             return
+        ahead = 0
         index = position + step
-        if 0 <= index < len(self.order) and not self.order[index].gathered:
-            self.order[index].gather(async_op=True)
+        while 0 <= index < len(self.order):
+            upcoming = self.order[index]
+            index += step
+            if upcoming.persistent:
+                continue
+            if ahead and ahead + upcoming.padded_numel > self.prefetch_numel:
+                return
+            ahead += upcoming.padded_numel
+            if not upcoming.gathered:
+                if self.live.numel + upcoming.padded_numel > self.max_live_numel:
+                    return
+                upcoming.gather(async_op=True)
 
     # -- engine-facing -------------------------------------------------------------------------------------
 
-    def on_unit_reduced(self, unit: ParamUnit) -> None:
-        """Called by the gradient reducer once a unit's gradients are handed to the reduce-scatter."""
+    def on_unit_grads_staged(self, unit: ParamUnit) -> None:
+        """Called by the gradient reducer once a unit's gradients are all staged for reduction."""
         unit.awaiting_grads = False
         if unit.refs == 0 and not unit.has_frozen:
             unit.free()
 
     def end_of_backward(self) -> None:
         """Release everything still gathered (unused parameters, frozen ones, wrong prefetch guesses)."""
-        self._lingering = None
+        self._lingering, self._kept = None, []
         for unit in self.units:
             unit.awaiting_grads = False
             if unit.refs == 0:
                 unit.free()
         self.order, self._this_step, self._seen = self._this_step or self.order, [], set()
         self._position = {id(u): i for i, u in enumerate(self.order)}  # pre-forward hooks look up here
+        # A unit's reuse distance: the units after it are gathered once in forward and once in backward
+        # before its own backward needs it again.
+        after = 0
+        self._reuse_distance = {}
+        for unit in reversed(self.order):
+            self._reuse_distance[id(unit)] = 2 * after
+            after += 0 if unit.persistent else unit.padded_numel
 
     def after_step(self) -> None:
         for unit in self.units:
@@ -206,6 +256,11 @@ class Stage3Coordinator:
         for unit in self.units:
             unit.persistent = True  # leave the module usable: gather everything once, for good
             unit.gather()
+
+
+def _idle(unit: ParamUnit) -> bool:
+    """Nothing holds the unit: no module is inside its forward and its backward is not waiting for it."""
+    return unit.refs == 0 and not unit.awaiting_grads
 
 
 class _GatheringParameters(dict):
@@ -223,20 +278,30 @@ class _GatheringParameters(dict):
 
 
 def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, persistence_threshold: int,
-                group) -> list[ParamUnit]:  # fmt: skip
-    """One ParamUnit per (unit root, optimizer group); parameters outside every group form frozen units."""
+                model_persistence_threshold: int, group) -> list[ParamUnit]:  # fmt: skip
+    """One ParamUnit per (unit root, optimizer group); parameters outside every group form frozen units.
+
+    A unit of at most `persistence_threshold` elements stays gathered, while the persistent units' total
+    stays within `model_persistence_threshold` (DeepSpeed's `stage3_model_persistence_threshold`).
+    """
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     units = []
+    live = LiveNumel()
+    persistent_numel = 0
     for root, params in plan_units(module, unit_numel):
         by_group: dict = {}
         for p in params:
             gi = group_of.get(id(p)) if p.requires_grad else None
             by_group.setdefault(gi, []).append(p)
         for gi, members in by_group.items():
-            persistent = sum(logical_numel(p) for p in members) <= persistence_threshold
+            numel = sum(logical_numel(p) for p in members)
+            persistent = (
+                numel <= persistence_threshold and persistent_numel + numel <= model_persistence_threshold
+            )
+            persistent_numel += numel if persistent else 0
             unit_names = [names[p] for p in members]
-            units.append(ParamUnit(root, members, unit_names, gi, world, rank, group, persistent))
+            units.append(ParamUnit(root, members, unit_names, gi, world, rank, group, persistent, live))
     return units
