@@ -187,7 +187,11 @@ def write_all(result: dict, out_dir: Path, plots: bool = True) -> list[Path]:
         plot_memory(result, written[3])
         others = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
         others = [
-            o for o in others if o.get("model", {}).get("kind") == "gpt" and o["model"]["name"] != "tiny"
+            o
+            for o in others
+            if isinstance(o, dict)  # zero_memory.json is a list of rows, not a speed run
+            and o.get("model", {}).get("kind") == "gpt"
+            and o["model"]["name"] != "tiny"
         ]
         if len(others) >= 2:
             written.append(out_dir / "scaling.png")

@@ -28,7 +28,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         # gradients always live in contiguous buckets (contiguous_gradients), every rank owns a slice of
         # every bucket (round_robin_gradients' balance), one collective per bucket
         # (use_multi_rank_bucket_allreduce), and checkpoints always load at any world size
-        # (elastic_checkpoint). Offload, ZeRO++, MiCS and the rest are accepted and warned about.
+        # (elastic_checkpoint). Parameter offload, ZeRO++, MiCS and the rest are accepted and warned about.
         "zero_optimization.stage",
         "zero_optimization.contiguous_gradients",
         "zero_optimization.reduce_scatter",
@@ -47,6 +47,9 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.legacy_stage1",
         "zero_optimization.round_robin_gradients",
+        "zero_optimization.offload_optimizer.device",
+        "zero_optimization.offload_optimizer.nvme_path",
+        "zero_optimization.offload_optimizer.pin_memory",
         "data_types",
         "steps_per_print",
         "wall_clock_breakdown",

@@ -108,7 +108,7 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer as they are produced. Default true."""
     reduce_scatter: bool = True
-    """Stage 1/2: reduce each gradient slice to its owner; false = plain all-reduce. Default true."""
+    """Reduce each gradient slice to its owner (reduce-scatter); false = all-reduce and keep the slice."""
     reduce_bucket_size: PositiveInt = 500_000_000
     """Elements reduced per gradient bucket. Default 5e8."""
     use_multi_rank_bucket_allreduce: bool = True

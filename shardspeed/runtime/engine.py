@@ -27,6 +27,7 @@ from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
 from shardspeed.utils.logging import log_dist
 from shardspeed.zero import init as zero_init
+from shardspeed.zero.offload import OptimizerOffload
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
 
 
@@ -141,6 +142,9 @@ class ShardspeedEngine(nn.Module):
             gradient_predivide_factor=self._config.gradient_predivide_factor,
         )
         if stage == 0:
+            if self._optimizer_offload() is not None:
+                log_dist("zero_optimization.offload_optimizer has no effect at ZeRO stage 0 (it needs stage 1-3)",
+                         level=30)  # fmt: skip
             reducer = BucketedAllReducer(
                 [
                     params
@@ -152,7 +156,9 @@ class ShardspeedEngine(nn.Module):
             )
             return DataParallelOptimizer(optimizer, named, reducer=reducer, **common)
         self._check_zero_optimizer(optimizer)
+        common["offload"] = self._optimizer_offload()
         comm["overlap_comm"] = bool(zero_cfg.overlap_comm)
+        comm["use_reduce_scatter"] = bool(zero_cfg.reduce_scatter)
         # sub_group_size bounds the elements one optimizer step sees per rank: each bucket or unit is at most
         # sub_group_size elements per rank.
         sub_group_numel = int(zero_cfg.sub_group_size) * dist.get_world_size(self.dp_group)
@@ -176,10 +182,15 @@ class ShardspeedEngine(nn.Module):
             stage=stage,
             bucket_numel=min(int(zero_cfg.reduce_bucket_size), sub_group_numel),
             allgather_numel=int(zero_cfg.allgather_bucket_size),
-            use_reduce_scatter=bool(zero_cfg.reduce_scatter),
             **common,
             **comm,
         )
+
+    def _optimizer_offload(self) -> OptimizerOffload | None:
+        block = self._config.zero_optimization.offload_optimizer
+        if block is None or block.device == "none":
+            return None
+        return OptimizerOffload(block.device, block.nvme_path, block.pin_memory)
 
     def _stage3_unit_numel(self) -> int:
         """Largest unit gathered whole: the prefetch/bucket sizes, and at most a quarter of the model, so
@@ -393,9 +404,12 @@ class ShardspeedEngine(nn.Module):
         return memory.measure(self).as_dict()
 
     def destroy(self) -> None:
-        """Remove gradient hooks so the module can be used (or wrapped again) without this engine."""
+        """Remove gradient hooks so the module can be used (or wrapped again) without this engine, and delete
+        NVMe optimizer-offload swap files."""
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
+            if getattr(self.optimizer, "nvme", None) is not None:
+                self.optimizer.nvme.close()
 
 
 def _cast_floating(obj, dtype: torch.dtype):

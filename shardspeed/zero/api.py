@@ -125,7 +125,7 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
     if index is None:
         state = wrapper.optimizer.state.get(wrapper.masters.get(param, param), {})
         return state[optim_state_key].clone() if optim_state_key in state else None
-    state = wrapper.optimizer.state.get(wrapper.masters[index], {})
+    state = wrapper.shard_state(index)
     if optim_state_key not in state:
         return None
     return _param_slice(wrapper, index, param, _full_from_shards(wrapper, index, state[optim_state_key]))

@@ -18,6 +18,7 @@ parameter tensors, so a per-tensor rule such as LAMB's trust ratio would apply p
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -29,6 +30,7 @@ from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan
 from shardspeed.zero.flat_params import FlatParamBucket
+from shardspeed.zero.offload import NvmeOptimizerState, OptimizerOffload
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units
 
@@ -63,16 +65,19 @@ class ZeroOptimizer(OptimizerWrapper):
         group=None,
         coordinator=None,
         allgather_numel: int = 500_000_000,
+        offload: OptimizerOffload | None = None,
     ):
         self.zero_stage = stage
         self.allgather_numel = allgather_numel
+        self.offload = offload
         self.optimizer = optimizer
         self.buckets, self.grads, self.coordinator = buckets, grads, coordinator
         self.plan, self.scaler, self.clip, self.group = plan, scaler, gradient_clipping, group
         self.overflow = False
         self.grad_norm: float | None = None
-        # The optimizer steps one tensor per bucket: a fp32 copy of the shard, or the shard itself in fp32.
-        self.masters = [b.shard.float().clone() if plan.mixed else b.shard for b in buckets]
+        # The optimizer steps one tensor per bucket: a fp32 copy of the shard, or the shard itself in fp32
+        # training when the optimizer runs where the shard lives.
+        self.masters = [self._master_for(b.shard) for b in buckets]
         for index, bucket in enumerate(buckets):
             for p in bucket.params:
                 p._shardspeed_zero = (self, index)  # found by the zero.safe_get_* accessors
@@ -83,6 +88,26 @@ class ZeroOptimizer(OptimizerWrapper):
             others = [p for p in group_dict["params"] if id(p) not in managed]
             mine = [m for m, b in zip(self.masters, buckets) if b.group_index == group_index]
             group_dict["params"] = mine + others
+        self.nvme = None
+        if offload is not None and offload.device == "nvme":
+            self.nvme = NvmeOptimizerState(optimizer, self.masters, offload.nvme_path, dist.get_rank(group))
+
+    def _master_for(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.offload is not None and (self.plan.mixed or shard.device != self.offload.host):
+            return self.offload.place_master(shard)
+        return shard.float().clone() if self.plan.mixed else shard
+
+    def _resident_state(self):
+        """A context in which every master's optimizer state is in memory (NVMe offload swaps it out)."""
+        return self.nvme.resident() if self.nvme is not None else contextlib.nullcontext()
+
+    def shard_state(self, index: int) -> dict:
+        """The optimizer state of bucket `index`'s shard (a copy read from disk under NVMe offload)."""
+        with self._resident_state():
+            return {
+                k: v.clone() if torch.is_tensor(v) else v
+                for k, v in self.optimizer.state.get(self.masters[index], {}).items()
+            }
 
     # -- the optimizer protocol the engine drives ---------------------------------------------------------
 
@@ -98,21 +123,28 @@ class ZeroOptimizer(OptimizerWrapper):
     def _global_norm(self) -> float:
         """L2 norm over every rank's gradient shard: one all-reduce of a single number."""
         flats = self.grads.flat_grads()
-        local = torch.zeros((), dtype=torch.float32, device=self.masters[0].device if self.masters else "cpu")
+        local = torch.zeros((), dtype=torch.float32, device=flats[0].device if flats else "cpu")
         for f in flats:
             local += torch.linalg.vector_norm(f, dtype=torch.float32) ** 2
         dist.all_reduce(local, group=self.group)
         return math.sqrt(local.item())
 
     def _apply(self, multiplier: float) -> None:
+        grads = []
         for master, grad in zip(self.masters, self.grads.flat_grads()):
-            master.grad = grad.to(torch.float32, copy=grad.dtype != master.dtype)
+            grad = grad.to(device=master.device, dtype=master.dtype)  # a copy only across dtype or device
             if multiplier != 1.0:
-                master.grad.mul_(multiplier)
-        self.optimizer.step()
+                grad.mul_(multiplier)
+            grads.append(grad)
+        if self.nvme is not None:
+            self.nvme.step(grads)
+        else:
+            for master, grad in zip(self.masters, grads):
+                master.grad = grad
+            self.optimizer.step()
         for master, bucket in zip(self.masters, self.buckets):
             master.grad = None
-            if self.plan.mixed:
+            if master is not bucket.shard:
                 bucket.shard.copy_(master)
         self._publish_shards()
 
@@ -156,6 +188,10 @@ class ZeroOptimizer(OptimizerWrapper):
     # -- state: this rank's shards plus the layout needed to find every parameter in them -----------------
 
     def state_dict(self) -> dict:
+        with self._resident_state():
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
         inner = self.optimizer.state_dict()
         return {
             "zero_stage": self.zero_stage,
@@ -164,7 +200,8 @@ class ZeroOptimizer(OptimizerWrapper):
             "buckets": [b.layout() for b in self.buckets],
             # clone: in fp32 a master is a view into the whole bucket, and torch.save writes whole storages
             "fp32_shards": [m.clone() if m._base is not None else m for m in self.masters],
-            "optimizer_states": [self.optimizer.state.get(m, {}) for m in self.masters],
+            # copies: under NVMe offload the resident tensors are dropped again when the context ends
+            "optimizer_states": [dict(self.optimizer.state.get(m, {})) for m in self.masters],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]],
             "loss_scaler": self.scaler.state_dict(),
             # Stage 3 parameters outside the optimizer (frozen) exist only as shards too: save them here.
@@ -193,6 +230,11 @@ class ZeroOptimizer(OptimizerWrapper):
         if not load_optimizer_states:
             self._publish_shards()
             return
+        with self._resident_state():  # replaced below; swapped out again on exit
+            self._load_optimizer_states(state)
+        self._publish_shards()
+
+    def _load_optimizer_states(self, state: dict) -> None:
         for master, saved in zip(self.masters, state["optimizer_states"]):
             self.optimizer.state[master] = {
                 k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()
@@ -200,7 +242,6 @@ class ZeroOptimizer(OptimizerWrapper):
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
         self.scaler.load_state_dict(state["loss_scaler"])
-        self._publish_shards()
 
     # -- resharding: this rank's shards assembled by name from a checkpoint of any stage and world size -----
 
@@ -213,9 +254,16 @@ class ZeroOptimizer(OptimizerWrapper):
         persistent units re-gather (collective). Padding is zero, as in a fresh bucket. Returns the names
         restored (the engine restores the other parameters).
         """
+        with_state = load_optimizer_states and reader.has_optimizer_state
+        with self._resident_state():
+            restored = self._load_universal(reader, with_state)
+        if self.coordinator is not None:
+            self.coordinator.after_step()  # persistent units re-gather their new values
+        return restored
+
+    def _load_universal(self, reader, with_state: bool) -> set[str]:
         from shardspeed.checkpoint.universal import load_group_hyperparameters, restore_loss_scaler
 
-        with_state = load_optimizer_states and reader.has_optimizer_state
         restored: set[str] = set()
         for index, bucket in enumerate(self.buckets):
             if self.zero_stage == 3:
@@ -237,8 +285,6 @@ class ZeroOptimizer(OptimizerWrapper):
             group_of = {name: b.group_index for b in self.buckets for name in b.names}
             load_group_hyperparameters(reader, self.optimizer.param_groups, group_of)
             restore_loss_scaler(reader, self.scaler)
-        if self.coordinator is not None:
-            self.coordinator.after_step()  # persistent units re-gather their new values
         return restored
 
     def _assemble_full(self, index: int, reader) -> None:
@@ -292,7 +338,7 @@ class ZeroOptimizer(OptimizerWrapper):
 
 
 def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, allgather_numel: int, plan, scaler,
-                   gradient_clipping, group=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
+                   gradient_clipping, group=None, offload=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
     """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm."""
     buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group)
     reduce_kwargs = dict(
@@ -304,15 +350,15 @@ def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, al
         grads = ShardedGradReducer(buckets, **reduce_kwargs)
     return ZeroOptimizer(
         optimizer, buckets, grads, stage=stage, plan=plan, scaler=scaler, gradient_clipping=gradient_clipping,
-        group=group, allgather_numel=allgather_numel,
+        group=group, allgather_numel=allgather_numel, offload=offload,
     )  # fmt: skip
 
 
 def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int, persistence_threshold: int,
                  model_persistence_threshold: int, prefetch_numel: int, max_live_numel: int,
-                 max_reuse_distance: int, plan, scaler, gradient_clipping, group=None,
+                 max_reuse_distance: int, plan, scaler, gradient_clipping, group=None, offload=None,
                  **reduce_options) -> ZeroOptimizer:  # fmt: skip
-    """`reduce_options`: prescale_gradients, gradient_predivide_factor, overlap_comm."""
+    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm."""
     names = {p: n for n, p in module.named_parameters()}
     units = build_units(
         module,
@@ -341,5 +387,5 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
     )
     return ZeroOptimizer(
         optimizer, list(reversed(trainable)), grads, stage=3, plan=plan, scaler=scaler,
-        gradient_clipping=gradient_clipping, group=group, coordinator=coordinator,
+        gradient_clipping=gradient_clipping, group=group, coordinator=coordinator, offload=offload,
     )  # fmt: skip
