@@ -1,7 +1,19 @@
-"""Flat-tensor collectives under the names of the running torch version.
+"""Flat-tensor reduce-scatter and all-gather, as fast as each backend allows. ZeRO calls these two helpers.
 
 torch 2.13 renamed `reduce_scatter_tensor`/`all_gather_into_tensor` to `reduce_scatter_single`/
-`all_gather_single` (the old names warn); torch 2.4 has only the old ones. ZeRO calls these two helpers.
+`all_gather_single` (the old names warn); torch 2.4 has only the old ones.
+
+On Gloo both collectives are slow compared with the primitives they could be built from. Measured with
+torch 2.13 on 2 CPU ranks over loopback (fp32, median of 5):
+
+| elements | all_reduce | reduce_scatter | reduce to each owner | all_gather | broadcast from each owner |
+|---|---|---|---|---|---|
+| 6.5M (one 25 MiB bucket) | 19.8 ms | 20.1 ms | 17.2 ms | 10.9 ms | 7.1 ms |
+| 29M | 61 ms | 119 ms | 64 ms | 98 ms | 24 ms |
+
+So with Gloo a reduce-scatter is one `reduce` per slice to the rank that owns it, and an all-gather is one
+`broadcast` per slice from its owner — the same results (sums of the same values, copies of the same bits),
+issued in the same order on every rank. NCCL (and any other backend) uses the native collectives.
 """
 
 from __future__ import annotations
@@ -13,14 +25,68 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _Works:
+    """Several in-flight collectives behind one `wait()`, then an optional finishing copy."""
+
+    def __init__(self, works: list, finish=None):
+        self.works, self.finish = works, finish
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+        return True
+
+
+def _per_slice(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _slices(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
+    size = tensor.numel() // world
+    return [tensor[i * size : (i + 1) * size] for i in range(world)]
+
+
+def _global(group, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+
+
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Sum `input` (world_size equal slices) across ranks; this rank's slice of the sum lands in `output`.
 
-    `output` may be this rank's slice of `input` itself (in place, as NCCL and Gloo allow).
+    `output` may be this rank's slice of `input` itself (in place). The other slices of `input` are scratch
+    afterwards.
     """
-    return _reduce_scatter(output, input, group=group, async_op=async_op)
+    if not _per_slice(group):
+        return _reduce_scatter(output, input, group=group, async_op=async_op)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    slices = _slices(input, world)
+    works = [
+        dist.reduce(part, dst=_global(group, i), group=group, async_op=True) for i, part in enumerate(slices)
+    ]
+    own = slices[rank]
+    handle = _Works(works, None if _same_memory(own, output) else lambda: output.copy_(own))
+    return handle if async_op else handle.wait()
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's `input` into `output`; `input` may be this rank's slice of `output`."""
-    return _all_gather(output, input, group=group, async_op=async_op)
+    if not _per_slice(group):
+        return _all_gather(output, input, group=group, async_op=async_op)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    slices = _slices(output, world)
+    if not _same_memory(slices[rank], input):
+        slices[rank].copy_(input)
+    works = [
+        dist.broadcast(part, src=_global(group, i), group=group, async_op=True)
+        for i, part in enumerate(slices)
+    ]
+    handle = _Works(works)
+    return handle if async_op else handle.wait()

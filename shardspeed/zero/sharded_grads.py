@@ -1,7 +1,8 @@
 """ZeRO stage 2 gradients: reduce-scattered bucket by bucket during backward, kept only as this rank's shard.
 
 No full-size gradient buffer persists. As autograd produces a parameter's gradient, a hook copies it into
-its bucket's staging buffer (in the communication dtype) and frees it; a complete bucket is reduce-scattered
+its bucket's staging buffer (in the communication dtype) and frees it — a bucket holding one parameter is
+reduced in that gradient tensor itself, with no copy; a complete bucket is reduce-scattered
 asynchronously — in bucket index order on every rank — and this rank's averaged slice is added to a
 persistent shard accumulator. At most `MAX_IN_FLIGHT` staging buffers wait on the network at once, which
 bounds the transient memory to a few buckets (none wait with `overlap_comm=False`). Reduction happens every
@@ -31,6 +32,19 @@ class _Slot:
         self.num_ready = 0
         self.ready = [False] * len(bucket.params)
         self.launched = False
+
+
+def _can_borrow(slot: _Slot, grad: torch.Tensor, comm_dtype: torch.dtype) -> bool:
+    """A bucket of one unpadded parameter can be reduced in its own gradient tensor, with no staging copy."""
+    bucket = slot.bucket
+    return (
+        len(bucket.params) == 1
+        and bucket.padded_numel == bucket.numel
+        and grad.dtype == comm_dtype
+        and grad.layout == torch.strided
+        and grad.is_contiguous()
+        and grad.numel() == bucket.numel
+    )
 
 
 class ShardedGradReducer:
@@ -77,12 +91,20 @@ class ShardedGradReducer:
                     f"parameter {slot.bucket.names[index]!r} received a gradient after its bucket was already "
                     "reduced in this backward pass (reentrant checkpointing or two backward calls per step?)"
                 )
-            if slot.staging is None:
-                slot.staging = torch.zeros(
-                    slot.bucket.padded_numel, dtype=self.comm_dtype, device=param.device
-                )
-            slot.staging[offset : offset + n].add_(param.grad.reshape(-1))
+            grad = param.grad
             param.grad = None
+            if slot.staging is None and _can_borrow(slot, grad, self.comm_dtype):
+                slot.staging = grad.view(-1)  # the bucket is this one gradient: reduce it where it is
+            else:
+                if slot.staging is None:  # no zero fill: each slot is written once, gaps zeroed at launch
+                    slot.staging = torch.empty(
+                        slot.bucket.padded_numel, dtype=self.comm_dtype, device=grad.device
+                    )
+                target = slot.staging[offset : offset + n]
+                if slot.ready[index]:  # a second gradient for the same parameter in this backward
+                    target.add_(grad.reshape(-1))
+                else:
+                    target.copy_(grad.reshape(-1))
             if not slot.ready[index]:
                 slot.ready[index] = True
                 slot.num_ready += 1
@@ -100,10 +122,16 @@ class ShardedGradReducer:
             self._launch(slot)
 
     def _launch(self, slot: _Slot) -> None:
+        bucket = slot.bucket
         if slot.staging is None:  # no parameter of this bucket got a gradient on this rank
             slot.staging = torch.zeros(
-                slot.bucket.padded_numel, dtype=self.comm_dtype, device=slot.grad_shard.device
+                bucket.padded_numel, dtype=self.comm_dtype, device=slot.grad_shard.device
             )
+        elif slot.staging.numel() > bucket.numel or slot.num_ready < len(bucket.params):
+            slot.staging[bucket.numel :].zero_()  # padding
+            for i in range(len(bucket.params)):
+                if not slot.ready[i]:  # no gradient on this rank: contributes zeros
+                    slot.staging[bucket.offsets[i] : bucket.offsets[i] + bucket.numels[i]].zero_()
         if self.prescale:
             slot.staging.div_(self.world_size)
         elif self.predivide != 1.0:
