@@ -133,6 +133,13 @@ def _run(system: str, stage: int, num_params: float, bucket: int | None = None) 
     if nvme_path:
         engine.destroy()  # deletes the swap files
         os.rmdir(nvme_path)
+    if system == "deepspeed":  # its shared-memory all-reduce leaves /dev/shm files behind (see worker.py)
+        import torch.distributed as dist
+
+        dist.barrier()
+        port = os.environ["MASTER_PORT"]
+        for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            leftover.unlink(missing_ok=True)
     return {"params": count, "delta": delta, "accounted": accounted}
 
 
