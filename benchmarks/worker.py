@@ -154,7 +154,7 @@ def _collect(procs, results, timeout_s: float) -> dict[int, tuple]:
     return outputs
 
 
-def _remove_shared_memory_left_by(port: int) -> None:
+def remove_shared_memory_left_by(port: int | str) -> None:
     """DeepSpeed 0.19.8's CPU shared-memory all-reduce leaves two 66 MiB files in /dev/shm per job (named
     after the job's master port) and never removes them; a few hundred jobs fill the RAM they live in."""
     for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
@@ -187,7 +187,7 @@ def run_job(job: JobSpec) -> tuple[str, object]:
             if p.is_alive():
                 p.kill()
                 p.join()
-        _remove_shared_memory_left_by(port)
+        remove_shared_memory_left_by(port)
     verdicts = [v for v in outputs.values() if v[0] != "ok"]
     if verdicts:
         return verdicts[0]

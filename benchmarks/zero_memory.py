@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package
 
 import torch
 from torch import nn
@@ -133,13 +134,13 @@ def _run(system: str, stage: int, num_params: float, bucket: int | None = None) 
     if nvme_path:
         engine.destroy()  # deletes the swap files
         os.rmdir(nvme_path)
-    if system == "deepspeed":  # its shared-memory all-reduce leaves /dev/shm files behind (see worker.py)
+    if system == "deepspeed":  # its shared-memory all-reduce leaves /dev/shm files behind
         import torch.distributed as dist
 
+        from benchmarks.worker import remove_shared_memory_left_by
+
         dist.barrier()
-        port = os.environ["MASTER_PORT"]
-        for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-            leftover.unlink(missing_ok=True)
+        remove_shared_memory_left_by(os.environ["MASTER_PORT"])
     return {"params": count, "delta": delta, "accounted": accounted}
 
 

@@ -59,8 +59,8 @@ def _parity_cases(world: int, nvme_path: str) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world", [2])
-def test_offload_trains_exactly_like_no_offload(world, tmp_path):
+def test_offload_trains_exactly_like_no_offload(tmp_path):
+    world = 2
     ranks = run_ranks(_parity_cases, world, world, str(tmp_path), timeout=600)
     reference = reference_run(STEPS, world, options=OPTIONS)
     for results in ranks:

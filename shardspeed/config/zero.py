@@ -20,16 +20,27 @@ __all__ = ["LocoConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroCo
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
-def _check_nvme_path(block: OffloadParamConfig | OffloadOptimizerConfig, path: str) -> None:
-    if block.device == "nvme" and not block.nvme_path:
-        raise ConfigError(
-            f"{join(path, 'nvme_path')}: required when {join(path, 'device')} is 'nvme' "
-            f"(a directory on a fast local NVMe disk)"
-        )
+class _OffloadBlock:
+    """What both offload blocks share: a `device` that switches them on, and `nvme_path` for "nvme"."""
+
+    device: OffloadDevice
+    nvme_path: str | None
+
+    @property
+    def enabled(self) -> bool:
+        """Offload is on unless the device is "none" (a block naming no device changes nothing)."""
+        return self.device != "none"
+
+    def validate(self, path: str) -> None:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ConfigError(
+                f"{join(path, 'nvme_path')}: required when {join(path, 'device')} is 'nvme' "
+                f"(a directory on a fast local NVMe disk)"
+            )
 
 
 @dataclass(kw_only=True)
-class OffloadParamConfig:
+class OffloadParamConfig(_OffloadBlock):
     """``zero_optimization.offload_param``: keep ZeRO-3 parameters in CPU memory or on NVMe."""
 
     device: OffloadDevice = "none"
@@ -45,17 +56,9 @@ class OffloadParamConfig:
     pin_memory: bool = False
     """Use page-locked CPU memory (faster copies, less pageable memory). Default false."""
 
-    @property
-    def enabled(self) -> bool:
-        """Offload is on unless the device is "none" (a block naming no device changes nothing)."""
-        return self.device != "none"
-
-    def validate(self, path: str) -> None:
-        _check_nvme_path(self, path)
-
 
 @dataclass(kw_only=True)
-class OffloadOptimizerConfig:
+class OffloadOptimizerConfig(_OffloadBlock):
     """``zero_optimization.offload_optimizer``: keep optimizer state (and its step) on CPU or NVMe."""
 
     device: OffloadDevice = "none"
@@ -74,14 +77,6 @@ class OffloadOptimizerConfig:
     """Faster optimizer initialisation when offloading to NVMe. Default false."""
     ratio: Annotated[float, Key(ge=0, le=1)] = 1.0
     """Fraction of the optimizer step run on CPU (ZeRO-3 only below 1). Default 1.0."""
-
-    @property
-    def enabled(self) -> bool:
-        """Offload is on unless the device is "none" (a block naming no device changes nothing)."""
-        return self.device != "none"
-
-    def validate(self, path: str) -> None:
-        _check_nvme_path(self, path)
 
 
 @dataclass(kw_only=True)

@@ -167,7 +167,7 @@ class ShardspeedEngine(nn.Module):
                 self.module,
                 optimizer,
                 named,
-                unit_numel=min(self._stage3_unit_numel(), sub_group_numel),
+                unit_numel=self._stage3_unit_numel(sub_group_numel),
                 persistence_threshold=int(zero_cfg.stage3_param_persistence_threshold),
                 model_persistence_threshold=int(zero_cfg.stage3_model_persistence_threshold),
                 prefetch_numel=int(zero_cfg.stage3_prefetch_bucket_size),
@@ -192,12 +192,13 @@ class ShardspeedEngine(nn.Module):
             return None
         return OptimizerOffload(block.device, block.nvme_path, block.pin_memory)
 
-    def _stage3_unit_numel(self) -> int:
-        """Largest unit gathered whole: the prefetch/bucket sizes, and at most a quarter of the model, so
-        that even a small model spans several units and gathers overlap the compute of earlier ones."""
+    def _stage3_unit_numel(self, sub_group_numel: int) -> int:
+        """Largest unit gathered whole: the prefetch/bucket/sub-group sizes, and at most a quarter of the
+        model, so that even a small model spans several units and gathers overlap the compute of earlier ones."""
         zero_cfg = self._config.zero_optimization
         total = sum(zero_init.logical_numel(p) for p in {id(p): p for p in self.module.parameters()}.values())
-        return int(min(zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size, max(1, total // 4)))
+        limits = (zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size, sub_group_numel)
+        return int(min(*limits, max(1, total // 4)))
 
     def _check_zero_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if is_zero_tested_optimizer(optimizer) or self._config.zero_allow_untested_optimizer:
