@@ -16,13 +16,13 @@ import sysconfig
 import time
 from pathlib import Path
 
+# shardspeed first: it quiets torch's import-time warning about NumPy, which a clean install does not have.
+import shardspeed as deepspeed  # isort: skip
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 from tqdm import tqdm
-
-import shardspeed as deepspeed
 
 
 def read_corpus(max_bytes: int) -> torch.Tensor:

@@ -10,8 +10,14 @@ processes and must not pay for importing torch first.
 from __future__ import annotations
 
 import importlib
+import warnings
 
 from shardspeed.version import __version__ as __version__
+
+# torch warns at import when NumPy is absent; NumPy is optional for torch and unused by shardspeed, so a
+# clean install would print a warning on every start. Targeted at that one message (it fires only when
+# shardspeed is imported before torch, as the examples do).
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 # public name -> (module, attribute); an attribute of None means the module itself
 _LAZY = {

@@ -19,6 +19,7 @@ tensor's bytes as soon as it is assembled. Peak memory is one parameter plus the
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -158,6 +159,16 @@ def _plan_shards(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
     return shards
 
 
+def _write_tensor_bytes(f, tensor: torch.Tensor) -> None:
+    """Write a tensor's raw bytes without a copy. Tensors have no buffer protocol and `.numpy()` needs NumPy,
+    which a clean install lacks, so the bytes are read through ctypes at the tensor's address (`tensor` is
+    held by this frame while they are written)."""
+    tensor = tensor.cpu().contiguous()
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes:
+        f.write(memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B"))
+
+
 def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
     """A safetensors file written one tensor at a time.
 
@@ -185,7 +196,7 @@ def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
             value = entry.read().to(entry.dtype).contiguous()
             if tuple(value.shape) != entry.shape:
                 raise RuntimeError(f"{entry.key}: read shape {tuple(value.shape)}, planned {entry.shape}")
-            f.write(value.reshape(-1).view(torch.uint8).numpy().data)
+            _write_tensor_bytes(f, value)
             del value  # one tensor at a time
         f.flush()
         os.fsync(f.fileno())

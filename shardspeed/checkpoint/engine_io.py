@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.comm.collectives import all_gather_strings
 from shardspeed.utils.logging import log_dist, logger
 from shardspeed.version import __version__
 
@@ -68,8 +69,7 @@ def _as_tuples(obj):
 
 
 def _validate_tag(engine, tag: str) -> None:
-    tags = [None] * dist.get_world_size()
-    dist.all_gather_object(tags, tag)
+    tags = all_gather_strings(str(tag), engine.device)
     if len(set(tags)) == 1:
         return
     mode = engine._config.checkpoint.tag_validation

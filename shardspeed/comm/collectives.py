@@ -90,3 +90,19 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async
     ]
     handle = _Works(works)
     return handle if async_op else handle.wait()
+
+
+def all_gather_strings(text: str, device: torch.device, group=None) -> list[str]:
+    """Every rank's `text`, in rank order. Sent as byte tensors, not pickles: torch's `*_object` collectives
+    need NumPy, which a clean install does not have."""
+    world = dist.get_world_size(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [bytes(g[: int(n)].tolist()).decode() for g, n in zip(gathered, lengths)]
