@@ -54,8 +54,8 @@ def _api_cases(config_path: str) -> dict:
             engine.step()
         except RuntimeError as err:
             out["step_in_no_sync"] = str(err)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, local["tok.weight"])
+    gathered = [torch.empty_like(local["tok.weight"]) for _ in range(world)]
+    dist.all_gather(gathered, local["tok.weight"])
     out["no_sync_grads_differ"] = not torch.equal(gathered[0], gathered[-1])
     engine.zero_grad()
 

@@ -408,15 +408,3 @@ def restore_loss_scaler(reader: CheckpointReader, scaler) -> None:
     saved = reader.loss_scaler()
     if saved is not None and not isinstance(scaler, NoScaler):
         scaler.load_state_dict(saved)
-
-
-def place_state(key: str, value, tensor: torch.Tensor, group: dict):
-    """Put a loaded optimizer state value where torch's optimizers expect it (as their load_state_dict does):
-    per-element state on the tensor's device and dtype; `step` on CPU unless the group is fused/capturable."""
-    if not torch.is_tensor(value):
-        return value
-    if key == "step":
-        if group.get("fused") or group.get("capturable"):
-            return value.to(device=tensor.device, dtype=torch.float32)
-        return value
-    return value.to(device=tensor.device, dtype=tensor.dtype)

@@ -16,6 +16,7 @@ from torch import nn
 
 from shardspeed.runtime.grad_buckets import BucketedAllReducer
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
+from shardspeed.runtime.placement import place_optimizer_state
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan
 
 
@@ -174,11 +175,7 @@ class DataParallelOptimizer(OptimizerWrapper):
         return set(self.names.values())
 
     def _load_universal_state(self, reader) -> None:
-        from shardspeed.checkpoint.universal import (
-            load_group_hyperparameters,
-            place_state,
-            restore_loss_scaler,
-        )
+        from shardspeed.checkpoint.universal import load_group_hyperparameters, restore_loss_scaler
 
         name_of = {id(self.masters.get(p, p)): name for p, name in self.names.items()}
         group_of = {}
@@ -190,9 +187,7 @@ class DataParallelOptimizer(OptimizerWrapper):
                 group_of[name] = gi
                 saved = reader.optimizer_state(name)
                 if saved:
-                    self.optimizer.state[tensor] = {
-                        k: place_state(k, v, tensor, group) for k, v in saved.items()
-                    }
+                    self.optimizer.state[tensor] = place_optimizer_state(saved, tensor, group)
                 else:
                     self.optimizer.state.pop(tensor, None)
         load_group_hyperparameters(reader, self.optimizer.param_groups, group_of)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from shardspeed.config import ConfigError
+from shardspeed.runtime.placement import place_optimizer_state
 
 
 @dataclass
@@ -86,10 +87,12 @@ class NvmeOptimizerState:
         keys = self._on_disk.pop(index, None)
         if keys is None:
             return
-        state = self.optimizer.state[self.masters[index]]
-        device = self.masters[index].device
-        for key in keys:
-            state[key] = torch.load(self._file(index, key), map_location=device, weights_only=True)
+        master = self.masters[index]
+        group = next(g for g in self.optimizer.param_groups if any(p is master for p in g["params"]))
+        loaded = {
+            key: torch.load(self._file(index, key), map_location="cpu", weights_only=True) for key in keys
+        }
+        self.optimizer.state[master].update(place_optimizer_state(loaded, master, group, copy=False))
 
     @contextlib.contextmanager
     def resident(self):

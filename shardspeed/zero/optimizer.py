@@ -28,6 +28,7 @@ from torch import nn
 from shardspeed.comm.collectives import all_gather_flat
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
+from shardspeed.runtime.placement import place_optimizer_state
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan
 from shardspeed.zero.flat_params import FlatParamBucket
 from shardspeed.zero.offload import NvmeOptimizerState, OptimizerOffload
@@ -235,10 +236,9 @@ class ZeroOptimizer(OptimizerWrapper):
         self._publish_shards()
 
     def _load_optimizer_states(self, state: dict) -> None:
+        group_of = {id(m): g for g in self.optimizer.param_groups for m in g["params"]}
         for master, saved in zip(self.masters, state["optimizer_states"]):
-            self.optimizer.state[master] = {
-                k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()
-            }
+            self.optimizer.state[master] = place_optimizer_state(saved, master, group_of[id(master)])
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(saved)
         self.scaler.load_state_dict(state["loss_scaler"])
@@ -313,16 +313,11 @@ class ZeroOptimizer(OptimizerWrapper):
     def _assemble_state(self, index: int, reader) -> None:
         """This rank's slice of every per-element optimizer state of a bucket; scalar state (Adam's step)
         from the bucket's first parameter that has one, so a shard of only padding gets it too."""
-        from shardspeed.checkpoint.universal import place_state
-
         bucket, master = self.buckets[index], self.masters[index]
         group = self.optimizer.param_groups[bucket.group_index]
         state: dict = {}
         for name in bucket.names:
-            state = {
-                k: place_state(k, v, master, group)
-                for k, v in reader.optimizer_state_slice(name, 0, 0)[1].items()
-            }
+            state = place_optimizer_state(reader.optimizer_state_slice(name, 0, 0)[1], master, group)
             if state:
                 break
         for _, name, in_param, in_shard, length in bucket.fragments():

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import shardspeed.comm
+from shardspeed.comm.collectives import all_gather_strings
 
 
 def main() -> None:
@@ -55,8 +56,7 @@ def main() -> None:
         },
         "ssh_server": (os.environ.get("SSH_CONNECTION") or "- - local").split()[2],
     }
-    everyone = [None] * world
-    dist.all_gather_object(everyone, seen)
+    everyone = [json.loads(text) for text in all_gather_strings(json.dumps(seen), torch.device("cpu"))]
     if rank == 0:
         params = [p.detach().flatten().tolist() for p in model.parameters()]
         with open(args.out, "w") as handle:
