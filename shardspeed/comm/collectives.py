@@ -41,6 +41,19 @@ class _Works:
         return True
 
 
+def completed_work() -> _Works:
+    """A handle whose `wait()` returns at once, for work that needed no collective."""
+    return _Works([])
+
+
+def _local(output: torch.Tensor, input: torch.Tensor, async_op: bool):
+    """A world of one: `output` is `input` (copied unless they are the same memory)."""
+    if not _same_memory(output, input):
+        output.copy_(input)
+    handle = _Works([])
+    return handle if async_op else handle.wait()
+
+
 def _per_slice(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
@@ -64,6 +77,8 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, a
     `output` may be this rank's slice of `input` itself (in place). The other slices of `input` are scratch
     afterwards.
     """
+    if dist.get_world_size(group) == 1:  # the sum of one rank's values: no collective
+        return _local(output, input, async_op)
     if not _per_slice(group):
         return _reduce_scatter(output, input, group=group, async_op=async_op)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -78,6 +93,8 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, a
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's `input` into `output`; `input` may be this rank's slice of `output`."""
+    if dist.get_world_size(group) == 1:
+        return _local(output, input, async_op)
     if not _per_slice(group):
         return _all_gather(output, input, group=group, async_op=async_op)
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardspeed.comm.collectives import reduce_scatter_flat
+from shardspeed.comm.collectives import completed_work, reduce_scatter_flat
 from shardspeed.zero.init import logical_numel
 
 
@@ -180,6 +180,9 @@ class BucketedAllReducer:
             self._next_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
+        if self.world_size == 1:  # nothing to exchange: no communication-dtype copy, no collective
+            bucket.work = completed_work()
+            return
         tensor = bucket.buffer
         if self.prescale:
             tensor.div_(self.world_size)
@@ -205,7 +208,8 @@ class BucketedAllReducer:
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
-        post = 1.0 if self.prescale else self.predivide / self.world_size
+        # the mean of one rank's sums is those sums (`_launch` skipped the pre-division too)
+        post = 1.0 if self.prescale or self.world_size == 1 else self.predivide / self.world_size
         for bucket in self.buckets:
             bucket.work.wait()
             reduced = self.reduced_grad(bucket)

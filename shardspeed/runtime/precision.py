@@ -9,6 +9,7 @@ by a scale so small gradients survive the backward pass. The scaler below is Dee
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -162,3 +163,35 @@ def step_multiplier(scaled_norm: float, scaler: LossScaler, clip: float) -> tupl
     if clip > 0 and clip / (norm + 1e-6) < 1.0:
         multiplier *= clip / (norm + 1e-6)
     return False, norm, multiplier
+
+
+def _kernel_unscales(optimizer: torch.optim.Optimizer) -> bool:
+    """True when every group steps in a torch fused kernel that divides gradients by `grad_scale`."""
+    own_update = getattr(optimizer, "_needs_own_update", None)
+    return (
+        getattr(optimizer, "_step_supports_amp_scaling", False)
+        and all(group.get("fused") for group in optimizer.param_groups)
+        and not (own_update is not None and own_update())
+    )
+
+
+@contextlib.contextmanager
+def unscaled_in_kernel(optimizer: torch.optim.Optimizer, multiplier: float, grads: list[torch.Tensor]):
+    """Apply the gradient `multiplier` (unscaling and clipping) during the step inside this context.
+
+    torch's fused kernels take a `grad_scale` tensor — the hook `torch.amp.GradScaler` uses — and divide each
+    gradient by it as they read it, which saves a full read and write of every gradient before the step
+    (a third of the step's memory traffic for Adam). Other optimizers get the gradients multiplied first.
+    """
+    if multiplier == 1.0 or not grads:
+        yield
+        return
+    if not _kernel_unscales(optimizer):
+        torch._foreach_mul_(grads, multiplier)
+        yield
+        return
+    optimizer.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32, device=grads[0].device)
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale

@@ -45,6 +45,58 @@ class OptimizerOffload:
         return master
 
 
+class HostGradients:
+    """fp32 host copies of the reduced gradient shards, the optimizer-side inputs of an offloaded step.
+
+    Each shard is copied as soon as its reduction completes in the boundary backward (stages 2/3: bucket by
+    bucket, overlapping the rest of backward; stage 1: at the end of backward), into a reused buffer —
+    page-locked on CUDA so the device-to-host copy is asynchronous — and its squared norm is taken then, so
+    the step itself only waits for the copies and sums a few numbers. A shard already on the host in fp32
+    (a CPU-only fp32 run) is used where it is: no copy.
+    """
+
+    def __init__(self, masters: list[torch.Tensor], device: torch.device):
+        self.device = device
+        pin = device.type == "cuda"
+        self._buffers = [torch.empty_like(m, pin_memory=pin) for m in masters]
+        self.grads: list[torch.Tensor | None] = [None] * len(masters)
+        self._squared_norms: list[torch.Tensor | None] = [None] * len(masters)
+
+    def receive(self, index: int, shard: torch.Tensor) -> None:
+        """Take bucket `index`'s final reduced gradient shard (call once per boundary backward)."""
+        buffer = self._buffers[index]
+        if shard.device == buffer.device and shard.dtype == buffer.dtype:
+            grad = shard
+        else:
+            grad = buffer
+            if shard.device != buffer.device and shard.dtype != buffer.dtype:
+                # convert on the device first: torch converts a cross-device copy on the host, synchronously
+                shard = shard.to(buffer.dtype)
+            grad.copy_(shard, non_blocking=True)
+        # Norm where the data is fastest to read: on the device for a GPU shard, on the fp32 host copy (no
+        # up-cast temporary) for a CPU one.
+        source = shard if shard.device.type != "cpu" else grad
+        self._squared_norms[index] = torch.linalg.vector_norm(source, dtype=torch.float32) ** 2
+        self.grads[index] = grad
+
+    def squared_norm(self) -> torch.Tensor:
+        """Sum of the received shards' squared norms (a 0-d tensor on the device the shards came from)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for value in self._squared_norms:
+            if value is not None:
+                total += value.to(self.device)
+        return total
+
+    def take(self) -> list[torch.Tensor]:
+        """The host gradients, once every asynchronous copy has landed; the next backward refills them."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        grads = [g if g is not None else torch.zeros_like(b) for g, b in zip(self.grads, self._buffers)]
+        self.grads = [None] * len(grads)
+        self._squared_norms = [None] * len(grads)
+        return grads
+
+
 class NvmeOptimizerState:
     """Keeps the optimizer's per-element state for each master in files while it is not being stepped.
 
@@ -104,15 +156,6 @@ class NvmeOptimizerState:
         finally:
             for index in range(len(self.masters)):
                 self.swap_out(index)
-
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """Step each master alone with its state resident: the optimizer skips parameters without `.grad`."""
-        for index, (master, grad) in enumerate(zip(self.masters, grads)):
-            self.swap_in(index)
-            master.grad = grad
-            self.optimizer.step()
-            master.grad = None
-            self.swap_out(index)
 
     def disk_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.folder.glob("*.pt")) if self.folder.exists() else 0

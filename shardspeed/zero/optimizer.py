@@ -29,9 +29,9 @@ from shardspeed.comm.collectives import all_gather_flat
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.placement import place_optimizer_state
-from shardspeed.runtime.precision import LossScaler, PrecisionPlan
+from shardspeed.runtime.precision import LossScaler, PrecisionPlan, unscaled_in_kernel
 from shardspeed.zero.flat_params import FlatParamBucket
-from shardspeed.zero.offload import NvmeOptimizerState, OptimizerOffload
+from shardspeed.zero.offload import HostGradients, NvmeOptimizerState, OptimizerOffload
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units
 
@@ -92,6 +92,17 @@ class ZeroOptimizer(OptimizerWrapper):
         self.nvme = None
         if offload is not None and offload.device == "nvme":
             self.nvme = NvmeOptimizerState(optimizer, self.masters, offload.nvme_path, dist.get_rank(group))
+        self.host_grads = None
+        self._boundary = True
+        # One optimizer call per bucket only where it buys something: NVMe (one bucket's state resident) or
+        # masters off the device (each bucket's copy back overlaps the next bucket's step).
+        self._step_per_bucket = self.nvme is not None or any(
+            m.device != b.shard.device for m, b in zip(self.masters, buckets)
+        )
+        if offload is not None and buckets:
+            self.host_grads = HostGradients(self.masters, buckets[0].shard.device)
+            if hasattr(grads, "on_shard_final"):  # stages 2/3: per bucket, during backward
+                grads.on_shard_final = self.host_grads.receive
 
     def _master_for(self, shard: torch.Tensor) -> torch.Tensor:
         if self.offload is not None and (self.plan.mixed or shard.device != self.offload.host):
@@ -113,41 +124,68 @@ class ZeroOptimizer(OptimizerWrapper):
     # -- the optimizer protocol the engine drives ---------------------------------------------------------
 
     def backward_begin(self, is_boundary: bool) -> None:
+        self._boundary = is_boundary
         if self.zero_stage == 1:  # stages 2 and 3 reduce every micro-step (their gradients are shards)
             self.grads.sync_enabled = is_boundary
+        else:
+            self.grads.final = is_boundary  # their last reduction of the step hands shards to host_grads
 
     def backward_end(self) -> None:
         self.grads.finish()
         if self.coordinator is not None:
             self.coordinator.end_of_backward()
+        if self.host_grads is not None and self.zero_stage == 1 and self._boundary:
+            for index, shard in enumerate(self.grads.flat_grads()):
+                self.host_grads.receive(index, shard)
 
     def _global_norm(self) -> float:
         """L2 norm over every rank's gradient shard: one all-reduce of a single number."""
-        flats = self.grads.flat_grads()
-        local = torch.zeros((), dtype=torch.float32, device=flats[0].device if flats else "cpu")
-        for f in flats:
-            local += torch.linalg.vector_norm(f, dtype=torch.float32) ** 2
+        if self.host_grads is not None:
+            local = self.host_grads.squared_norm()  # taken as each shard arrived
+        else:
+            flats = self.grads.flat_grads()
+            local = torch.zeros((), dtype=torch.float32, device=flats[0].device if flats else "cpu")
+            for f in flats:
+                local += torch.linalg.vector_norm(f, dtype=torch.float32) ** 2
         dist.all_reduce(local, group=self.group)
         return math.sqrt(local.item())
 
     def _apply(self, multiplier: float) -> None:
-        grads = []
-        for master, grad in zip(self.masters, self.grads.flat_grads()):
-            grad = grad.to(device=master.device, dtype=master.dtype)  # a copy only across dtype or device
-            if multiplier != 1.0:
-                grad.mul_(multiplier)
-            grads.append(grad)
-        if self.nvme is not None:
-            self.nvme.step(grads)
-        else:
-            for master, grad in zip(self.masters, grads):
-                master.grad = grad
-            self.optimizer.step()
-        for master, bucket in zip(self.masters, self.buckets):
-            master.grad = None
-            if master is not bucket.shard:
-                bucket.shard.copy_(master)
+        if self.host_grads is not None:
+            grads = self.host_grads.take()
+        else:  # a copy only across dtype (mixed precision)
+            grads = [g.to(m.dtype) for m, g in zip(self.masters, self.grads.flat_grads())]
+        with unscaled_in_kernel(self.optimizer, multiplier, grads):
+            if not self._step_per_bucket:
+                for master, grad in zip(self.masters, grads):
+                    master.grad = grad
+                self.optimizer.step()
+                for index in range(len(self.masters)):
+                    self._bucket_stepped(index)
+            else:
+                # Bucket by bucket (the torch optimizer skips tensors without .grad): a stepped bucket's
+                # shard goes back to the device while the next one steps; under NVMe only the stepping
+                # bucket's state is in memory.
+                for index, grad in enumerate(grads):
+                    if self.nvme is not None:
+                        self.nvme.swap_in(index)
+                    self.masters[index].grad = grad
+                    self.optimizer.step()
+                    self._bucket_stepped(index)
+                    if self.nvme is not None:
+                        self.nvme.swap_out(index)
         self._publish_shards()
+
+    def _bucket_stepped(self, index: int) -> None:
+        master, bucket = self.masters[index], self.buckets[index]
+        master.grad = None
+        if master.device != bucket.shard.device:
+            # Host to device as fp32 from page-locked memory (asynchronous: the next bucket steps meanwhile),
+            # converted on the device — torch would convert a cross-device copy on the host, synchronously.
+            # The all-gather that publishes the shard is queued after it on the same stream.
+            bucket.shard.copy_(master.to(bucket.shard.device, non_blocking=True))
+        elif master is not bucket.shard:
+            bucket.shard.copy_(master)
 
     def _publish_shards(self) -> None:
         """Make updated shards visible: stage 1/2 all-gather every bucket now; stage 3 gathers on use."""

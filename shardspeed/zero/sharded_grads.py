@@ -25,9 +25,11 @@ MAX_IN_FLIGHT = 2
 
 
 class _Slot:
-    def __init__(self, bucket: FlatParamBucket, accum_dtype: torch.dtype):
+    def __init__(self, index: int, bucket: FlatParamBucket, accum_dtype: torch.dtype):
+        self.index = index
         self.bucket = bucket
         self.grad_shard = torch.zeros(bucket.shard_numel, dtype=accum_dtype, device=bucket.device)
+        self.fresh = True  # grad_shard holds nothing of this accumulation window yet
         self.staging: torch.Tensor | None = None
         self.num_ready = 0
         self.ready = [False] * len(bucket.params)
@@ -60,6 +62,7 @@ class ShardedGradReducer:
         prescale_gradients: bool = False,
         gradient_predivide_factor: float = 1.0,
         on_grads_staged=None,
+        on_shard_final=None,
         use_reduce_scatter: bool = True,
         overlap_comm: bool = True,
     ):
@@ -67,13 +70,17 @@ class ShardedGradReducer:
         # stage 3: called once a bucket's gradients are all in its staging buffer, so its full parameters
         # can be released even when an earlier bucket holds up the (strictly ordered) launches
         self.on_grads_staged = on_grads_staged
+        # optimizer offload: called with (bucket index, gradient shard) as each shard's reduction completes
+        # in the backward of an accumulation boundary (`final`), so its copy to the host overlaps the rest
+        self.on_shard_final = on_shard_final
+        self.final = True
         self.world_size = dist.get_world_size(group)
         self.comm_dtype = comm_dtype
         self.use_reduce_scatter = use_reduce_scatter
         self.max_in_flight = MAX_IN_FLIGHT if overlap_comm else 0
         self.prescale = prescale_gradients
         self.predivide = gradient_predivide_factor
-        self.slots = [_Slot(b, accum_dtype) for b in buckets]
+        self.slots = [_Slot(i, b, accum_dtype) for i, b in enumerate(buckets)]
         self._next_launch = 0
         self._in_flight: deque = deque()
         self._hooks = [
@@ -153,8 +160,14 @@ class ShardedGradReducer:
     def _complete(self, slot: _Slot, own: torch.Tensor, work) -> None:
         work.wait()
         post = 1.0 if self.prescale else self.predivide / self.world_size
-        slot.grad_shard.add_(own, alpha=post)
+        if slot.fresh:  # the first reduction since zero(): written, so zero() needs no pass over memory
+            torch.mul(own, post, out=slot.grad_shard)
+            slot.fresh = False
+        else:
+            slot.grad_shard.add_(own, alpha=post)
         slot.staging = None
+        if self.final and self.on_shard_final is not None:
+            self.on_shard_final(slot.index, slot.grad_shard)
 
     # -- engine-facing -------------------------------------------------------------------------------------
 
@@ -169,11 +182,14 @@ class ShardedGradReducer:
         self._next_launch = 0
 
     def flat_grads(self) -> list[torch.Tensor]:
+        for slot in self.slots:
+            if slot.fresh:  # nothing reduced since zero(): reads as zeros (only outside backward/step)
+                slot.grad_shard.zero_()
         return [slot.grad_shard for slot in self.slots]
 
     def zero(self) -> None:
         for slot in self.slots:
-            slot.grad_shard.zero_()
+            slot.fresh = True
             for p in slot.bucket.params:
                 p.grad = None
 
