@@ -147,7 +147,8 @@ class ZeroOptimizer(OptimizerWrapper):
             local = torch.zeros((), dtype=torch.float32, device=flats[0].device if flats else "cpu")
             for f in flats:
                 local += torch.linalg.vector_norm(f, dtype=torch.float32) ** 2
-        dist.all_reduce(local, group=self.group)
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(local, group=self.group)
         return math.sqrt(local.item())
 
     def _apply(self, multiplier: float) -> None:
