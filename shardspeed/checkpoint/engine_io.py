@@ -201,8 +201,10 @@ def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_s
         saved_stage = state.get("zero_stage")
         reshard = saved_stage in (0, 1, 2, 3) and _needs_reshard(engine, state, path)
         partitions_needed = saved_stage == 3 or load_optimizer or reshard
-        verify.check_consistent(engine, path, state, partitions_needed)
+        if not isinstance(state.get("param_shapes"), dict) or not isinstance(state.get("module"), dict):
+            raise CheckpointError(f"{path / files.model_states_name()} is not a shardspeed model-states file")
         _check_names_and_shapes(engine, state, strict, path)
+        verify.check_consistent(engine, path, state, partitions_needed)
 
     opened = verify.open_checkpoint(engine, Path(load_dir), tag, check)
     if opened is None:
