@@ -1,7 +1,7 @@
 """Kill a training job at random moments around `save_checkpoint`, then check what a fresh job loads.
 
 Each trial starts a 2-rank job (each rank its own process group) that trains a small model and saves after
-every step, rotating over three tags so that tags are re-saved (the replace path) as well as created.
+every step, rotating over tags so that tags are re-saved (the replace path) as well as created.
 Before each save every rank records the state it is about to save (`records/<global step>.rank<R>.pt`);
 after each save returns, rank 0 appends the step to `done`. Once the first save is done the driver waits a
 random time and SIGKILLs every rank's process group at once. A fresh job of the same configuration then
@@ -13,7 +13,8 @@ calls `load_checkpoint` on the folder, and the trial is graded:
 - `absent`: no checkpoint, only acceptable when no save had returned;
 - anything else (a CheckpointError, a mismatch, an older step) counts as corrupt.
 
-    python benchmarks/kill_during_save.py --trials 6          # 6 trials per configuration (30 in all)
+    python benchmarks/kill_during_save.py --trials 6          # 6 random trials per configuration (30)
+    python benchmarks/kill_during_save.py --trials 0 --points # each fixed point inside a save (POINTS)
 
 Prints one line per trial and a summary; exits 1 if any trial is corrupt. tests/test_kill_during_save.py
 runs a small subset.
@@ -42,7 +43,8 @@ CONFIGS = {
     "stage3": {"stage": 3, "reduce_bucket_size": 4000, "stage3_param_persistence_threshold": 64},
     "stage3-nvme": {"stage": 3, "reduce_bucket_size": 4000, "offload_optimizer": {"device": "nvme"}},
 }
-TAGS = ("slot0", "slot1", "slot2")
+# The tag of each save, in turn: new tags, a re-save of the tag `latest` names (3rd) and of an older one.
+TAGS = ("slot0", "slot1", "slot1", "slot2")
 WORLD = 2
 
 
@@ -101,7 +103,64 @@ def _write_atomically(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def worker(name: str, trial_dir: Path) -> None:
+# Fixed moments inside a save (`--points`): rank 0 stops there during the 3rd save (a re-save of the tag
+# `latest` names) and the driver kills the job as soon as it has.
+POINTS = {
+    "partition": "rank 0's partition file half written (temporary name), rank 1's complete",
+    "published": "the new tag folder in place, `latest` not yet rewritten",
+    "aside": "the old copy of the re-saved tag moved aside, the new one not yet renamed into place",
+}
+STOP_AT_SAVE = 3
+
+
+def _stop(trial_dir: Path) -> None:
+    """Tell the driver this rank stopped where it was asked to, and wait for the SIGKILL."""
+    (trial_dir / "stopped").write_text("")
+    while True:
+        time.sleep(1)
+
+
+def install_stop(point: str, trial_dir: Path, saves: list[int]) -> None:
+    """Patch the checkpoint writer of this process (rank 0) to stop at `point` during save STOP_AT_SAVE."""
+    from shardspeed.checkpoint import files
+
+    def armed() -> bool:
+        return saves[0] == STOP_AT_SAVE
+
+    if point == "partition":
+        real_replace = os.replace
+
+        def replace(src, dst):
+            if armed() and "zero_pp_rank_0" in str(dst):
+                Path(src).write_bytes(Path(src).read_bytes()[: Path(src).stat().st_size // 2])
+                _stop(trial_dir)
+            real_replace(src, dst)
+
+        files.os.replace = replace  # the module's `os`, i.e. the process-wide one: patched for save_file
+    elif point == "published":
+        real_write = files.atomic_write_text
+
+        def write(path, text):
+            if armed():
+                _stop(trial_dir)
+            real_write(path, text)
+
+        files.atomic_write_text = write
+    elif point == "aside":
+        real_rename = Path.rename
+
+        def rename(self, target):
+            result = real_rename(self, target)
+            if armed() and str(target).endswith(".replaced"):
+                _stop(trial_dir)
+            return result
+
+        Path.rename = rename  # engine_io publishes with Path.rename
+    else:
+        raise ValueError(f"unknown stop point {point!r}; known: {', '.join(POINTS)}")
+
+
+def worker(name: str, trial_dir: Path, point: str | None = None) -> None:
     """One rank of the job that is killed: train and save, forever."""
     import torch.distributed as dist
 
@@ -112,12 +171,16 @@ def worker(name: str, trial_dir: Path) -> None:
     rank = dist.get_rank()
     records = trial_dir / "records"
     records.mkdir(exist_ok=True)
+    saves = [0]
+    if point is not None and rank == 0:
+        install_stop(point, trial_dir, saves)
     for step in range(10**6):
         loss = engine(_batch(step, rank)).pow(2).mean()
         engine.backward(loss)
         engine.step()
         _write_atomically(fingerprint(engine), records / f"{engine.global_steps}.rank{rank}.pt")
         dist.barrier()  # every record is in place before any file of this step's checkpoint is
+        saves[0] += 1
         engine.save_checkpoint(trial_dir / "ckpt", tag=TAGS[step % len(TAGS)])
         if rank == 0:
             with open(trial_dir / "done", "a") as f:
@@ -137,14 +200,17 @@ def _rank_env(rank: int, port: int) -> dict:
             "LOCAL_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
 
 
-def kill_trial(name: str, trial_dir: Path, delay: float, start_timeout: float = 120.0) -> None:
-    """Start the job, wait for its first completed save, wait `delay` s more, SIGKILL every rank's group."""
+def kill_trial(
+    name: str, trial_dir: Path, delay: float, point: str | None = None, start_timeout: float = 120.0
+):
+    """Start the job, wait for its first completed save, wait `delay` s more (or, with `point`, until rank 0
+    has stopped there), then SIGKILL every rank's process group."""
     trial_dir.mkdir(parents=True)
     port = _free_port()
     with open(trial_dir / "job.log", "w") as log:
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--worker", name, str(trial_dir)],
+                [sys.executable, __file__, "--worker", name, str(trial_dir), point or ""],
                 env=_rank_env(rank, port),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -154,13 +220,13 @@ def kill_trial(name: str, trial_dir: Path, delay: float, start_timeout: float = 
         ]
         try:
             deadline = time.monotonic() + start_timeout
-            while not (trial_dir / "done").exists():
+            while not (trial_dir / ("stopped" if point else "done")).exists():
                 if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
                     raise RuntimeError(
                         f"job of trial {trial_dir} failed to start; see {trial_dir / 'job.log'}"
                     )
                 time.sleep(0.02)
-            time.sleep(delay)
+            time.sleep(0.0 if point else delay)
         finally:
             for p in procs:
                 try:
@@ -225,26 +291,36 @@ def verify_trials(trials: list[tuple[str, str]]) -> list[str]:
     return verdicts
 
 
-def run(configs: list[str], trials_per_config: int, root: Path, max_delay: float, seed: int) -> list[dict]:
+def plan_trials(
+    configs: list[str], trials_per_config: int, max_delay: float, seed: int, points: bool
+) -> list:
+    """(config, kill delay, stop point) of every trial: random delays, and each fixed point per config."""
+    rng = random.Random(seed)
+    plan = [(name, rng.uniform(0.0, max_delay), None) for name in configs for _ in range(trials_per_config)]
+    if points:
+        plan += [(name, 0.0, point) for name in configs for point in POINTS]
+    return plan
+
+
+def run(plan: list, root: Path) -> list[dict]:
     """All the trials, then one fresh verification job; one result dict per trial."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from harness import run_ranks
 
-    rng = random.Random(seed)
-    plan = []
-    for name in configs:
-        for index in range(trials_per_config):
-            trial_dir = root / f"{name}-{index}"
-            delay = rng.uniform(0.0, max_delay)
-            kill_trial(name, trial_dir, delay)
-            plan.append((name, str(trial_dir), delay))
-    per_rank = run_ranks(verify_trials, WORLD, [(n, t) for n, t, _ in plan], timeout=600)
+    trials = []
+    for index, (name, delay, point) in enumerate(plan):
+        trial_dir = root / f"{index:03d}-{name}-{point or 'random'}"
+        kill_trial(name, trial_dir, delay, point)
+        trials.append((name, str(trial_dir)))
+    per_rank = run_ranks(verify_trials, WORLD, trials, timeout=600)
     results = []
-    for i, (name, trial, delay) in enumerate(plan):
+    for i, ((name, delay, point), (_, trial)) in enumerate(zip(plan, trials)):
         verdicts = [per_rank[r][i] for r in range(WORLD)]
         ok = all(v.startswith(("ok", "absent")) for v in verdicts)
-        results.append({"config": name, "delay_s": round(delay, 3), "ok": ok, "verdicts": verdicts,
-                        **leftovers(Path(trial))})  # fmt: skip
+        when = point or f"{delay:.3f}s"
+        left = leftovers(Path(trial))
+        left["inside_save"] = left["inside_save"] or point is not None
+        results.append({"config": name, "when": when, "ok": ok, "verdicts": verdicts, **left})
     return results
 
 
@@ -252,25 +328,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "TRIAL_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "TRIAL_DIR", "POINT"), help=argparse.SUPPRESS)
     parser.add_argument("--trials", type=int, default=6, help="trials per configuration")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument(
         "--max-delay", type=float, default=1.0, help="kill up to this many s after the 1st save"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--points", action="store_true", help="also kill at each fixed point inside a save")
     parser.add_argument(
         "--root", type=Path, default=None, help="where trials are written (default: a temp dir)"
     )
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], Path(args.worker[1]))
+        worker(args.worker[0], Path(args.worker[1]), args.worker[2] or None)
         return 0
     root = args.root or Path(tempfile.mkdtemp(prefix="kill-during-save-"))
     started = time.monotonic()
-    results = run(args.configs, args.trials, root, args.max_delay, args.seed)
+    plan = plan_trials(args.configs, args.trials, args.max_delay, args.seed, args.points)
+    results = run(plan, root)
     for r in results:
-        print(f"{r['config']:12s} delay {r['delay_s']:.3f}s inside_save={r['inside_save']!s:5s} "
+        print(f"{r['config']:12s} kill at {r['when']:9s} inside_save={r['inside_save']!s:5s} "
               f"swap_folders_left={r['swap_folders']} {'OK ' if r['ok'] else 'BAD'} {r['verdicts'][0]}")  # fmt: skip
     corrupt = sum(not r["ok"] for r in results)
     inside = sum(r["inside_save"] for r in results)
