@@ -163,6 +163,14 @@ def _tampered_loads(root: str, marker: str) -> dict:
             results[name] = str(err)
         results[name + " unchanged"] = _same(before, _live_state(engine))
 
+    # An explicit tag that does not exist: refused too (a mistyped tag must not start the run afresh).
+    try:
+        engine.load_checkpoint(f"{root}/good", tag="nope")
+        results["missing explicit tag"] = "loaded"
+    except shardspeed.CheckpointError as err:
+        results["missing explicit tag"] = str(err)
+    results["missing explicit tag unchanged"] = _same(before, _live_state(engine))
+
     # The good checkpoint still loads after all those refusals, and does change the state.
     path, _ = engine.load_checkpoint(f"{root}/good")
     results["good loads"] = path.endswith("good/t") and not _same(before, _live_state(engine))
@@ -180,6 +188,11 @@ def test_tampered_and_interrupted_checkpoints(tmp_path):
             for fragment in fragments:
                 assert fragment in message, f"rank {rank}, {name}: {fragment!r} not in {message!r}"
             assert res[name + " unchanged"], f"rank {rank}: refusing {name} changed the live state"
+        assert (
+            "good/nope does not exist (tags in" in res["missing explicit tag"]
+            and "'t'" in res["missing explicit tag"]
+        )
+        assert res["missing explicit tag unchanged"]
         assert res["good loads"]
     # A fault only rank 1 reads first is reported on rank 0 too, naming the rank that found it.
     assert results[0]["code-running pickle"].startswith("rank 1: ")

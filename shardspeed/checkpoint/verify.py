@@ -80,9 +80,12 @@ def _find(load_dir: Path, tag) -> tuple[Path, dict] | None:
             )
     else:
         path = files.tag_folder(load_dir, str(tag))
-        if not path.is_dir():
-            logger.warning(f"no checkpoint to load: {load_dir / str(tag)} does not exist")
-            return None
+        if not path.is_dir():  # a mistyped tag must not silently start the run afresh
+            present = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+            where = (
+                f"tags in {load_dir}: {present}" if load_dir.is_dir() else f"{load_dir} does not exist either"
+            )
+            raise CheckpointError(f"checkpoint {load_dir / str(tag)} does not exist ({where})")
     if path.name != str(tag):
         logger.warning(
             f"loading {path}: the previous copy of tag {tag!r}, as a re-save of it was interrupted"
