@@ -106,7 +106,7 @@ def _write_atomically(obj, path: Path) -> None:
 # Fixed moments inside a save (`--points`): rank 0 stops there during the 3rd save (a re-save of the tag
 # `latest` names) and the driver kills the job as soon as it has.
 POINTS = {
-    "partition": "rank 0's partition file half written (temporary name), rank 1's complete",
+    "partition": "rank 0's partition file (stage 0: its model-states file) half written, rank 1's complete",
     "published": "the new tag folder in place, `latest` not yet rewritten",
     "aside": "the old copy of the re-saved tag moved aside, the new one not yet renamed into place",
 }
@@ -120,7 +120,7 @@ def _stop(trial_dir: Path) -> None:
         time.sleep(1)
 
 
-def install_stop(point: str, trial_dir: Path, saves: list[int]) -> None:
+def install_stop(point: str, trial_dir: Path, saves: list[int], stage: int) -> None:
     """Patch the checkpoint writer of this process (rank 0) to stop at `point` during save STOP_AT_SAVE."""
     from shardspeed.checkpoint import files
 
@@ -131,7 +131,7 @@ def install_stop(point: str, trial_dir: Path, saves: list[int]) -> None:
         real_replace = os.replace
 
         def replace(src, dst):
-            if armed() and "zero_pp_rank_0" in str(dst):
+            if armed() and ("zero_pp_rank_0" if stage else "mp_rank_00_model_states") in str(dst):
                 Path(src).write_bytes(Path(src).read_bytes()[: Path(src).stat().st_size // 2])
                 _stop(trial_dir)
             real_replace(src, dst)
@@ -173,7 +173,7 @@ def worker(name: str, trial_dir: Path, point: str | None = None) -> None:
     records.mkdir(exist_ok=True)
     saves = [0]
     if point is not None and rank == 0:
-        install_stop(point, trial_dir, saves)
+        install_stop(point, trial_dir, saves, CONFIGS[name]["stage"])
     for step in range(10**6):
         loss = engine(_batch(step, rank)).pow(2).mean()
         engine.backward(loss)
