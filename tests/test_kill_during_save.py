@@ -2,12 +2,12 @@
 
 A small subset of benchmarks/kill_during_save.py (which runs the full set of random and fixed kill moments
 over ZeRO stages 0-3 and NVMe offload): two kills at fixed moments inside a save — a partition file half
-written, and the old copy of the re-saved `latest` tag moved aside — and one at a random moment.
+written, and the old copy of the re-saved `latest` tag moved aside (the window where an earlier writer lost
+the checkpoint). The random kill moments are left to the benchmark, which runs many of them.
 """
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -22,12 +22,11 @@ def test_killed_saves_leave_a_complete_checkpoint(tmp_path):
     plan = [
         ("stage3-nvme", 0.0, "aside"),
         ("stage1", 0.0, "partition"),
-        ("stage2", random.uniform(0.0, 0.5), None),
     ]
     results = kill_during_save.run(plan, tmp_path)
     for result in results:
         assert result["ok"], result
-    aside, partition, _ = results
+    aside, partition = results
     # The kill between the two renames of a re-save: the old copy is what loads, as the newest complete one.
     assert all(".slot1.replaced" in v and "step 2" in v for v in aside["verdicts"]), aside
     assert partition["hidden"] == [".slot1.incomplete"], partition
