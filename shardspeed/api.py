@@ -6,8 +6,10 @@ import argparse
 
 from torch import nn
 
+from shardspeed.comm.discovery import discover
 from shardspeed.comm.init import init_distributed
 from shardspeed.config import ConfigError, load_config
+from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
 
 
@@ -28,6 +30,15 @@ def _config_source(args, config, config_params):
             "(add_config_arguments(parser) adds the flag)"
         )
     return source
+
+
+def _announced_world_size(mpu, distributed_port: int) -> int:
+    """The data-parallel world size this process will join, before any process group is initialised."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
+    return discover(distributed_port=distributed_port).world_size
 
 
 def initialize(
@@ -57,11 +68,16 @@ def initialize(
             "initialize(mesh_param=...) (sequence/data-parallel meshes) is not supported yet"
         )
     source = _config_source(args, config, config_params)
+    # A bad config is refused before a process group (or anything else) exists: validated at the world
+    # size the launcher announces, its optimizer and scheduler blocks tried on a throwaway parameter.
+    cfg = load_config(source, world_size=_announced_world_size(mpu, distributed_port))
+    check_config_blocks(cfg, optimizer, lr_scheduler, model_parameters)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
 
     world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
-    cfg = load_config(source, world_size=world)
+    if world != cfg.world_size:
+        cfg = load_config(source, world_size=world)
     engine = ShardspeedEngine(
         model,
         cfg,

@@ -221,7 +221,7 @@ def test_broken_checkpoints_name_the_file(saved, tmp_path):
 
     # A corrupt partition.
     rank1.write_bytes(original[: len(original) // 2])
-    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt.*corrupt"):
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt is truncated"):
         get_fp32_state_dict_from_zero_checkpoint(broken)
 
     # No `latest` and no tag.

@@ -24,17 +24,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardspeed.checkpoint import files
+from shardspeed.checkpoint import files, verify
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.comm.collectives import all_gather_strings
-from shardspeed.utils.logging import log_dist, logger
+from shardspeed.utils.logging import log_dist
 from shardspeed.version import __version__
 
 # Keys the engine owns in the model-states file; everything else there is the client's state.
 ENGINE_KEYS = {
     "module", "buffer_names", "optimizer", "lr_scheduler", "data_sampler", "global_steps", "global_samples",
     "skipped_steps", "micro_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "shardspeed_version", "zero_stage", "param_shapes", "frozen_param_names", "shared_params",
+    "shardspeed_version", "zero_stage", "zero_partitions", "param_shapes", "frozen_param_names", "shared_params",
 }  # fmt: skip
 
 
@@ -130,6 +130,10 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
         "dp_world_size": engine.world_size,
         "mp_world_size": 1,
         "zero_stage": engine.zero_optimization_stage(),
+        # partition files written (none when there is no optimizer, or at stage 0): checked on load
+        "zero_partitions": 0
+        if engine.optimizer is None or _replicated_optimizer(engine)
+        else engine.world_size,
         "ds_config": engine.config,
         "ds_version": __version__,
         "shardspeed_version": __version__,
@@ -165,34 +169,48 @@ def save_checkpoint(
     files.save_file(_rng_state(), staging / files.rng_states_name(rank))
     dist.barrier()
     if rank == 0:
-        final = save_dir / tag
-        if final.exists():  # re-saving a tag: swap in the new one, then drop the old
-            old = save_dir / f".{tag}.replaced"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            staging.rename(final)
-            shutil.rmtree(old)
-        else:
-            staging.rename(final)
-        if save_latest:
-            files.atomic_write_text(save_dir / files.LATEST, tag)
+        _publish(save_dir, tag, staging, save_latest)
     dist.barrier()
     log_dist(f"saved checkpoint {save_dir / tag}")
     return True
 
 
+def _publish(save_dir: Path, tag: str, staging: Path, save_latest: bool) -> None:
+    """Rename the finished staging folder into place, then point `latest` at it (rank 0, after every rank
+    has written and fsynced its files). In this order a job killed at any moment leaves `latest` naming a
+    complete checkpoint: the previous one, or this one once it is in place."""
+    final = save_dir / tag
+    aside = files.replaced_dir(save_dir, tag)
+    files.fsync_dir(staging)
+    if final.exists():
+        # Re-saving a tag: two renames, as a folder cannot replace a non-empty one in one step. If the job
+        # dies between them, loads find the old copy aside (files.tag_folder) until the next save of the tag.
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    staging.rename(final)
+    files.fsync_dir(save_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+    if save_latest:
+        files.atomic_write_text(save_dir / files.LATEST, tag)
+
+
 def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_scheduler_states, module_only):
-    load_dir = Path(load_dir)
-    if tag is None:
-        tag = files.read_latest(load_dir)
-        if tag is None:
-            logger.warning(f"no checkpoint to load: {load_dir / files.LATEST} does not exist")
-            return None, None
-    path = load_dir / str(tag)
-    if not path.is_dir():
-        logger.warning(f"no checkpoint to load: {path} does not exist")
+    load_optimizer = load_optimizer_states and not module_only
+
+    def check(path: Path, state: dict) -> None:
+        saved_stage = state.get("zero_stage")
+        reshard = saved_stage in (0, 1, 2, 3) and _needs_reshard(engine, state, path)
+        partitions_needed = saved_stage == 3 or load_optimizer or reshard
+        if not isinstance(state.get("param_shapes"), dict) or not isinstance(state.get("module"), dict):
+            raise CheckpointError(f"{path / files.model_states_name()} is not a shardspeed model-states file")
+        _check_names_and_shapes(engine, state, strict, path)
+        verify.check_consistent(engine, path, state, partitions_needed)
+
+    opened = verify.open_checkpoint(engine, Path(load_dir), tag, check)
+    if opened is None:
         return None, None
-    state = files.load_file(path / files.model_states_name())
+    # From here on the live model and optimizer are changed: every check above has passed on every rank.
+    path, state = opened
     reshard = _needs_reshard(engine, state, path)
     if reshard:
         _load_resharded(engine, state, path, strict, load_optimizer_states and not module_only)
@@ -306,6 +324,37 @@ def _check_same_model(engine, reader, strict: bool, path: Path) -> None:
         raise CheckpointError(
             f"checkpoint {path} does not match the model: missing parameters {missing[:6]}, unexpected "
             f"{unexpected[:6]} (load_module_strict=False loads the rest)"
+        )
+
+
+def _check_names_and_shapes(engine, state: dict, strict: bool, path: Path) -> None:
+    """The checkpoint's parameters against the model's, from the recorded shapes (nothing loaded yet)."""
+    ours = _param_shapes(engine)
+    saved = {n: tuple(s) for n, s in state["param_shapes"].items()}
+    mismatched = [
+        f"{name!r}: checkpoint {saved[name]}, model {shape}"
+        for name, shape in ours.items()
+        if name in saved and saved[name] != shape
+    ]
+    if mismatched:
+        shown = "; ".join(mismatched[:6]) + (
+            f"; and {len(mismatched) - 6} more" if len(mismatched) > 6 else ""
+        )
+        raise CheckpointError(
+            f"checkpoint {path} was saved from a different model: {len(mismatched)} parameter shapes differ ({shown})"
+        )
+    if not strict:
+        return
+    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    aliases = set(state.get("shared_params", {}))
+    buffers_ours = set(engine.module.state_dict()) - params
+    buffers_saved = set(state["module"]) - set(saved) - aliases
+    missing = [n for n in ours if n not in saved] + sorted(buffers_ours - buffers_saved)
+    unexpected = [n for n in saved if n not in ours] + sorted(buffers_saved - buffers_ours)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: missing {missing[:6]}, unexpected {unexpected[:6]} "
+            "(load_module_strict=False loads the rest)"
         )
 
 

@@ -3,18 +3,24 @@
 Safety rules every checkpoint write and read follows:
 - a tag is written into a hidden staging folder and renamed into place only when every rank has finished,
   and `latest` is replaced atomically afterwards, so a crash mid-save leaves the previous `latest` loadable;
-- reads use `torch.load(weights_only=True)`: a checkpoint can never execute code when it is loaded.
+- every file is fsynced before it is renamed, and every folder whose entries changed is fsynced after, so
+  the order above also holds after a power loss (a rename is only durable once its folder is synced);
+- reads use `torch.load(weights_only=True)`: a checkpoint can never execute code when it is loaded, and a
+  file that cannot be read is reported with what is wrong with it (missing, a folder, empty, truncated).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import zipfile
 from pathlib import Path
 
 import torch
 
 LATEST = "latest"
+# torch.save writes a zip archive; its first bytes are a zip local-file header.
+_ZIP_MAGIC = b"PK\x03\x04"
 
 
 class CheckpointError(RuntimeError):
@@ -38,10 +44,34 @@ def staging_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".{tag}.incomplete"
 
 
+def replaced_dir(save_dir: Path, tag: str) -> Path:
+    """Where the previous copy of a tag waits while a re-save of the same tag is renamed into place."""
+    return save_dir / f".{tag}.replaced"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of folder `path` (files created, renamed or removed in it) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # platforms that cannot open a folder (Windows) have no folder fsync either
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on folders; their renames are then as durable as they get
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` by `text` in one step: readers see the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def save_file(obj, path: Path) -> None:
@@ -52,6 +82,7 @@ def save_file(obj, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def check_loadable(obj, what: str) -> None:
@@ -68,22 +99,70 @@ def check_loadable(obj, what: str) -> None:
         ) from err
 
 
-def load_file(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
+def diagnose(path: Path) -> str | None:
+    """What is wrong with checkpoint file `path` on sight (without unpickling it), or None."""
+    if not path.exists():
+        return "is missing: the checkpoint is incomplete"
+    if path.is_dir():
+        return "is a folder, where a checkpoint file should be"
+    size = path.stat().st_size
+    if size == 0:
+        return "is empty (0 bytes): it was never written completely"
+    with open(path, "rb") as f:
+        head = f.read(len(_ZIP_MAGIC))
+    if head != _ZIP_MAGIC:
+        return "is not a torch checkpoint (it does not start with the zip signature torch.save writes)"
+    if not zipfile.is_zipfile(path):
+        return f"is truncated ({size} bytes, the zip directory at its end is missing): it was not completely written"
+    return None
+
+
+def read_checkpoint(path: Path, mmap: bool = False) -> dict:
+    """A checkpoint file's content, read safely; a CheckpointError naming the file and its fault if not."""
+    problem = diagnose(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint file {path} {problem}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        content = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
         raise CheckpointError(
-            f"checkpoint file {path} could not be read (corrupt or not a checkpoint): {err}"
+            f"checkpoint file {path} could not be read (corrupt, or holds objects a safe load refuses): {err}"
         ) from err
+    if not isinstance(content, dict):
+        raise CheckpointError(
+            f"checkpoint file {path} holds a {type(content).__name__}, not a checkpoint dict"
+        )
+    return content
+
+
+def load_file(path: Path) -> dict:
+    return read_checkpoint(path)
+
+
+def tag_folder(root: Path, tag: str) -> Path:
+    """The folder of checkpoint `tag`. A re-save of an existing tag moves the old copy aside before it
+    renames the new one into place; if the job died between the two renames, the old copy (complete) is
+    where the tag is found until the next save of that tag."""
+    path = root / tag
+    aside = replaced_dir(root, tag)
+    if not path.exists() and aside.is_dir():
+        return aside
+    return path
 
 
 def read_latest(load_dir: Path) -> str | None:
+    """The tag `<load_dir>/latest` names, None when there is no `latest` file."""
     latest = load_dir / LATEST
-    if not latest.is_file():
+    if not latest.exists():
         return None
-    tag = latest.read_text().strip()
+    if latest.is_dir():
+        raise CheckpointError(f"{latest} is a folder: it should be a text file naming the newest tag")
+    try:
+        tag = latest.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{latest} cannot be read as text: {err}") from err
     if not tag:
         raise CheckpointError(f"{latest} is empty: it should name the tag of the newest checkpoint")
+    if "/" in tag or "\\" in tag or tag.startswith(".") or "\n" in tag:
+        raise CheckpointError(f"{latest} names {tag!r}, which is not a checkpoint tag (a plain folder name)")
     return tag

@@ -48,21 +48,14 @@ def resolve_tag_dir(checkpoint_dir, tag=None) -> Path:
                 f"{root} has no '{files.LATEST}' file naming the newest checkpoint: pass tag= (one of "
                 f"{sorted(p.name for p in root.iterdir() if p.is_dir())})"
             )
-    path = root / str(tag)
+    path = files.tag_folder(root, str(tag))
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     return path
 
 
 def _load_mapped(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:
-        raise CheckpointError(
-            f"checkpoint file {path} could not be read (corrupt or not a checkpoint): {err}"
-        ) from err
+    return files.read_checkpoint(path, mmap=True)
 
 
 def _numel(shape) -> int:
@@ -170,6 +163,10 @@ class CheckpointReader:
                     f"inconsistent checkpoint {self.path}: {where} holds {name!r} of shape {tuple(shape)}, but "
                     f"the model-states file lists {tuple(self._shapes.get(name, ())) or 'no such parameter'}"
                 )
+
+    def check_rank_file(self, rank: int) -> None:
+        """Read rank `rank`'s partition file and check it against the model-states file (CheckpointError)."""
+        self._rank_file(rank)
 
     def _rank_file(self, rank: int) -> dict:
         """Rank `rank`'s partition, memory-mapped and checked against rank 0's layout (cached)."""

@@ -108,6 +108,8 @@ def _read_base64(text: str) -> dict[str, Any]:
 
 def parse_config_text(text: str, source: str = "config") -> dict[str, Any]:
     """Parse JSON or HJSON text (comments allowed); duplicate keys and non-object configs are errors."""
+    if not text.strip():
+        raise ConfigError(f'{source} is empty: a config is a JSON object, e.g. {{"train_batch_size": 32}}')
     try:
         parsed = hjson.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as error:
@@ -116,6 +118,8 @@ def parse_config_text(text: str, source: str = "config") -> dict[str, Any]:
         raise ConfigError(
             f"{source}: invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
         ) from None
+    if parsed == {} and "{" not in text:
+        raise ConfigError(f"{source} holds only comments: it sets nothing")
     if not isinstance(parsed, dict):
         raise ConfigError(
             f"{source}: a config must be a JSON object ({{...}}) at top level, got {show(parsed)}"

@@ -59,3 +59,30 @@ def resolve_lr_scheduler(client_scheduler, optimizer: torch.optim.Optimizer | No
     if optimizer is None:
         raise ConfigError("scheduler: a 'scheduler' block needs an optimizer (config 'optimizer' or client)")
     return build_lr_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)
+
+
+def check_config_blocks(cfg, client_optimizer, client_scheduler, model_parameters) -> None:
+    """Refuse a bad `optimizer` or `scheduler` block (ConfigError naming its key) before anything is built:
+    the blocks the run will use are built once over throwaway parameters, one per parameter group."""
+    if client_optimizer is None and cfg.optimizer is None:
+        if client_scheduler is None and cfg.scheduler is not None:
+            raise ConfigError(
+                "scheduler: a 'scheduler' block needs an optimizer (config 'optimizer' or client)"
+            )
+        return
+    if client_optimizer is not None:
+        return  # the client's optimizer replaces the block; a scheduler then needs the real one to check
+    probe = resolve_optimizer(None, _probe_groups(model_parameters), cfg)
+    if client_scheduler is None and cfg.scheduler is not None:
+        resolve_lr_scheduler(None, probe, cfg)
+
+
+def _probe_groups(model_parameters) -> list:
+    """One one-element parameter per group of `model_parameters`, each group keeping its own options."""
+    groups = list(model_parameters) if model_parameters is not None else []
+    if groups and all(isinstance(g, dict) for g in groups):
+        return [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [torch.nn.Parameter(torch.zeros(1))]}
+            for g in groups
+        ]
+    return [torch.nn.Parameter(torch.zeros(1))]

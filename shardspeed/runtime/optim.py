@@ -238,7 +238,7 @@ def _torch_choice(type_name: str) -> type:
         close = difflib.get_close_matches(type_name, names, n=1, cutoff=0.5) or difflib.get_close_matches(
             type_name.lower(), [n.lower() for n in names], n=1, cutoff=0.5
         )
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = f"; did you mean {close[0]!r}?" if close else "."
         raise ConfigError(
             f"optimizer.type: unknown optimizer {type_name!r}{hint} Valid: {', '.join(DEEPSPEED_OPTIMIZERS)} "
             "or any torch.optim class"
