@@ -31,14 +31,23 @@ _LAZY = {
     "comm": ("shardspeed.comm", None),
     "init_distributed": ("shardspeed.comm.init", "init_distributed"),
     "initialize": ("shardspeed.api", "initialize"),
+    "tp_model_init": ("shardspeed.placeholders", "tp_model_init"),
     "zero": ("shardspeed.zero", None),
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
 
+# Subpackages reachable as attributes (`deepspeed.utils.logging.logger`, `deepspeed.runtime.lr_schedules`):
+# code written for DeepSpeed uses them after a bare `import deepspeed`.
+_SUBPACKAGES = frozenset({"accelerator", "checkpoint", "ops", "runtime", "utils"})
+
 
 def __getattr__(name: str):
     if name not in _LAZY:
+        if (
+            name in _SUBPACKAGES
+        ):  # `shardspeed.runtime` etc. without importing them first, as DeepSpeed allows
+            return importlib.import_module(f"shardspeed.{name}")
         raise AttributeError(f"module 'shardspeed' has no attribute {name!r}")
     module_name, attribute = _LAZY[name]
     module = importlib.import_module(module_name)
