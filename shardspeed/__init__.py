@@ -37,17 +37,17 @@ _LAZY = {
 
 __all__ = sorted([*_LAZY, "__version__"])
 
-# Subpackages reachable as attributes (`deepspeed.utils.logging.logger`, `deepspeed.runtime.lr_schedules`):
-# code written for DeepSpeed uses them after a bare `import deepspeed`.
-_SUBPACKAGES = frozenset({"accelerator", "checkpoint", "ops", "runtime", "utils"})
-
 
 def __getattr__(name: str):
     if name not in _LAZY:
-        if (
-            name in _SUBPACKAGES
-        ):  # `shardspeed.runtime` etc. without importing them first, as DeepSpeed allows
-            return importlib.import_module(f"shardspeed.{name}")
+        # Subpackages as attributes without importing them first (`deepspeed.runtime.lr_schedules`,
+        # `deepspeed.checkpointing.configure`): code written for DeepSpeed relies on a bare `import deepspeed`.
+        if not name.startswith("_"):
+            try:
+                return importlib.import_module(f"shardspeed.{name}")
+            except ModuleNotFoundError as error:
+                if error.name != f"shardspeed.{name}":
+                    raise
         raise AttributeError(f"module 'shardspeed' has no attribute {name!r}")
     module_name, attribute = _LAZY[name]
     module = importlib.import_module(module_name)

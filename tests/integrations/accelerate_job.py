@@ -34,15 +34,17 @@ def ds_config(stage: int) -> dict:
 
 
 def prepared(stage: int):
+    # The model is built whole before the Accelerator (its engine partitions it at ZeRO-3), so every stage
+    # starts from the same weights; building under zero.Init is exercised by the Trainer job.
+    set_seed(1234)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
     if not torch.cuda.is_available():
         # On a CPU-only machine Accelerate starts Gloo only when asked for the CPU (TrainingArguments with
         # use_cpu=True does the same); the DeepSpeed plugin then takes over as on GPUs.
         PartialState(cpu=True)
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(stage)))
-    set_seed(1234)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
     loader = DataLoader(Tokens(), batch_size=4, shuffle=False)

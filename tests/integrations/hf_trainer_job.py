@@ -76,25 +76,27 @@ def losses(trainer: Trainer) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
 
 
-def new_trainer(out_dir: str, stage: int, bf16: bool) -> Trainer:
-    # TrainingArguments first: with a ZeRO-3 config, `from_config` then builds the model partitioned
-    # (inside deepspeed.zero.Init), as HF's docs describe.
-    args = arguments(out_dir, stage, bf16, 8)
+def new_trainer(out_dir: str, stage: int, bf16: bool, args_first: bool) -> Trainer:
+    """`args_first`: TrainingArguments before the model, so that under a ZeRO-3 config `from_config` builds
+    it already partitioned (inside deepspeed.zero.Init), as HF's docs describe. Otherwise the model is built
+    whole (and the engine partitions it), which initialises it exactly as at stages 0-2."""
+    args = arguments(out_dir, stage, bf16, 8) if args_first else None
     set_seed(1234)
     model = AutoModelForCausalLM.from_config(gpt2_config())
+    args = args or arguments(out_dir, stage, bf16, 8)
     return Trainer(model=model, args=args, train_dataset=Tokens())
 
 
 def run_stage(stage: int, work: str, bf16: bool) -> dict:
     out_dir = os.path.join(work, f"stage{stage}")
-    trainer = new_trainer(out_dir, stage, bf16)
-    result = {"params_at_start": sum(p.numel() for p in trainer.model.parameters())}
+    trainer = new_trainer(out_dir, stage, bf16, args_first=False)
     trainer.train()
-    result["train"] = losses(trainer)
+    result = {"train": losses(trainer)}
     result["grad_norm"] = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     del trainer
 
-    resumed = new_trainer(out_dir, stage, bf16)
+    resumed = new_trainer(out_dir, stage, bf16, args_first=True)
+    result["params_at_start"] = sum(p.numel() for p in resumed.model.parameters())  # 0: partitioned
     resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-4"))
     result["resumed"] = losses(resumed)
 

@@ -28,6 +28,7 @@ CHECK_NAMES = textwrap.dedent(
     for name in modules:
         alias = importlib.import_module("deepspeed." + name)
         assert alias is importlib.import_module("shardspeed." + name), name
+        assert alias.__name__ == alias.__spec__.name == "shardspeed." + name, alias.__spec__
     # no module exists twice: every deepspeed.* entry is the shardspeed.* module object
     for name, module in list(sys.modules.items()):
         if name.startswith("deepspeed."):

@@ -24,6 +24,7 @@ import sys
 import shardspeed
 
 ALIAS = "deepspeed"
+ALIAS_MARKER = "shardspeed-deepspeed-alias"  # found in another copy of this file: not a conflict
 TARGET = "shardspeed"
 
 try:
@@ -42,13 +43,20 @@ def _refuse_real_deepspeed() -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     others = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec(ALIAS, others)
-    if spec is not None and spec.origin and os.path.abspath(spec.origin) != os.path.abspath(__file__):
-        raise ImportError(
-            f"two packages named 'deepspeed' are importable: the shardspeed alias ({__file__}) and another "
-            f"one at {spec.origin} (probably DeepSpeed itself). Remove one: `pip uninstall deepspeed` removes "
-            f"whichever is installed in this environment; reinstall the alias with "
-            f"`pip install ./integrations/deepspeed-alias` from the shardspeed repository"
-        )
+    if spec is None or not spec.origin or os.path.realpath(spec.origin) == os.path.realpath(__file__):
+        return
+    try:
+        with open(spec.origin, encoding="utf-8", errors="replace") as handle:
+            if ALIAS_MARKER in handle.read(8192):
+                return  # another copy of this alias (installed, and staged on PYTHONPATH): harmless
+    except OSError:
+        pass
+    raise ImportError(
+        f"two packages named 'deepspeed' are importable: the shardspeed alias ({__file__}) and another "
+        f"one at {spec.origin} (probably DeepSpeed itself). Remove one: `pip uninstall deepspeed` removes "
+        f"whichever is installed in this environment; reinstall the alias with "
+        f"`pip install ./integrations/deepspeed-alias` from the shardspeed repository"
+    )
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -56,12 +64,15 @@ class _AliasLoader(importlib.abc.Loader):
 
     def __init__(self, module) -> None:
         self.module = module
+        self.original_spec = module.__spec__
 
     def create_module(self, spec):
-        return self.module  # importlib keeps the module's own __name__, __spec__ and __path__
+        return self.module  # importlib keeps its __name__, __loader__, __file__ and __path__ ...
 
     def exec_module(self, module) -> None:
-        pass  # already executed when shardspeed imported it
+        # ... but always sets `__spec__` to the alias's spec: give the module its own back, so that
+        # `shardspeed.X.__spec__.name` stays "shardspeed.X" (reload, pickling by module, tools reading specs).
+        module.__spec__ = self.original_spec
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
