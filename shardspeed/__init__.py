@@ -31,6 +31,7 @@ _LAZY = {
     "comm": ("shardspeed.comm", None),
     "init_distributed": ("shardspeed.comm.init", "init_distributed"),
     "initialize": ("shardspeed.api", "initialize"),
+    "tp_model_init": ("shardspeed.placeholders", "tp_model_init"),
     "zero": ("shardspeed.zero", None),
 }
 
@@ -39,6 +40,14 @@ __all__ = sorted([*_LAZY, "__version__"])
 
 def __getattr__(name: str):
     if name not in _LAZY:
+        # Subpackages as attributes without importing them first (`deepspeed.runtime.lr_schedules`,
+        # `deepspeed.checkpointing.configure`): code written for DeepSpeed relies on a bare `import deepspeed`.
+        if not name.startswith("_"):
+            try:
+                return importlib.import_module(f"shardspeed.{name}")
+            except ModuleNotFoundError as error:
+                if error.name != f"shardspeed.{name}":
+                    raise
         raise AttributeError(f"module 'shardspeed' has no attribute {name!r}")
     module_name, attribute = _LAZY[name]
     module = importlib.import_module(module_name)

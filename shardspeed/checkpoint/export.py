@@ -33,6 +33,30 @@ def _gathered_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
+def consolidated_16bit_state_dict(engine, exclude_frozen_parameters: bool = False) -> dict | None:
+    """The module's full state dict in the training dtype on rank 0 (None on other ranks; collective).
+
+    Under ZeRO-3 the parameters are gathered one unit at a time into CPU copies on rank 0; tied parameters
+    appear under every name, as in `module.state_dict()`.
+    """
+    stage3 = engine.zero_optimization_stage() == 3
+    params = _gathered_state_dict(engine) if stage3 else None
+    if dist.get_rank() != 0:
+        return None
+    state = {}
+    for key, value in engine.module.state_dict().items():
+        state[key] = value.detach().cpu() if params is None or value.numel() else value
+    if params is not None:
+        shared = shared_params(engine.module)
+        state.update(params)
+        state.update({alias: params[source] for alias, source in shared.items()})
+    if exclude_frozen_parameters:
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                state.pop(name, None)
+    return state
+
+
 def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
     stage3 = engine.zero_optimization_stage() == 3
@@ -43,19 +67,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
             level=30,
         )
         return False
-    params = _gathered_state_dict(engine) if stage3 else None
+    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     if dist.get_rank() == 0:
-        state = {}
-        for key, value in engine.module.state_dict().items():
-            state[key] = value.detach().cpu() if params is None or value.numel() else value
-        if params is not None:
-            shared = shared_params(engine.module)
-            state.update(params)
-            state.update({alias: params[source] for alias, source in shared.items()})
-        if exclude_frozen_parameters:
-            for name, p in engine.module.named_parameters():
-                if not p.requires_grad:
-                    state.pop(name, None)
         path = Path(save_dir) / save_filename
         path.parent.mkdir(parents=True, exist_ok=True)
         if save_filename.endswith(".safetensors"):

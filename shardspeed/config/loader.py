@@ -1,6 +1,6 @@
 """``load_config``: from a dict, a JSON/HJSON file or a base64 string to a validated ``ShardspeedConfig``.
 
-Order of work: read the source -> refuse "auto" values -> map deprecated forms -> build and type-check
+Order of work: read the source -> drop or refuse "auto" values -> map deprecated forms -> build and type-check
 every block -> cross-block checks -> resolve the batch triple -> warn (deprecations, then one warning
 naming every set key of a feature that is not implemented yet). The caller's dict is never modified.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import json
 import os
 import warnings
 from typing import Any
@@ -27,6 +28,9 @@ __all__ = ["load_config", "parse_config_text", "read_config_source"]
 
 # Keys where "auto" is a value DeepSpeed itself understands, not an integration placeholder.
 NATIVE_AUTO_KEYS = frozenset({"pipeline.stages"})
+# Blocks whose values go straight into an optimizer or schedule constructor: an "auto" left there cannot
+# fall back to a default without silently changing the training (DeepSpeed would crash inside torch).
+STRICT_AUTO_BLOCKS = ("optimizer", "scheduler")
 
 _NOT_BASE64 = set("/\\.{}\n\t :\"'")
 
@@ -41,8 +45,12 @@ def load_config(config: Any, world_size: int = 1) -> ShardspeedConfig:
     if isinstance(config, ShardspeedConfig):
         config = config.raw
     raw = copy.deepcopy(read_config_source(config))
-    reject_auto(raw, "")
+    dropped = drop_auto(raw, "")
     ctx = BuildContext()
+    if dropped:
+        ctx.notes.append(
+            '"auto" left unfilled, so the default is used (as DeepSpeed does) for: ' + ", ".join(dropped)
+        )
     cfg = build_block(ShardspeedConfig, map_deprecated(copy.deepcopy(raw), ctx), "", ctx)
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
         resolve_batch_sizes(
@@ -107,11 +115,18 @@ def _read_base64(text: str) -> dict[str, Any]:
 
 
 def parse_config_text(text: str, source: str = "config") -> dict[str, Any]:
-    """Parse JSON or HJSON text (comments allowed); duplicate keys and non-object configs are errors."""
+    """Parse JSON or HJSON text (comments allowed); duplicate keys and non-object configs are errors.
+
+    Plain JSON is tried first: Python's JSON (and DeepSpeed's reader) accepts `Infinity`, which Accelerate's
+    `steps_per_print` produces when a filled-in config is written back to a file; HJSON does not.
+    """
     if not text.strip():
         raise ConfigError(f'{source} is empty: a config is a JSON object, e.g. {{"train_batch_size": 32}}')
     try:
-        parsed = hjson.loads(text, object_pairs_hook=_no_duplicates)
+        try:
+            parsed = json.loads(text, object_pairs_hook=_no_duplicates)
+        except json.JSONDecodeError:
+            parsed = hjson.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as error:
         raise ConfigError(f"{source}: duplicate key '{error.key}'; each key may appear once") from None
     except hjson.HjsonDecodeError as error:
@@ -142,17 +157,38 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def reject_auto(value: Any, path: str) -> None:
-    """Refuse the string "auto" anywhere: HF Transformers/Accelerate fill it in before DeepSpeed sees it."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            reject_auto(item, join(path, str(key)))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            reject_auto(item, f"{path}[{index}]")
-    elif isinstance(value, str) and value.strip().lower() == "auto" and path not in NATIVE_AUTO_KEYS:
-        raise ConfigError(
-            f'{path}: "auto" is not a value: HF Transformers/Accelerate replace "auto" with real values '
-            f"before the config reaches the engine. When the config is passed to shardspeed directly, "
-            f"give {path} a value"
-        )
+def drop_auto(value: dict[str, Any], path: str) -> list[str]:
+    """Remove "auto" placeholders from config blocks (in place); return their paths.
+
+    HF Transformers/Accelerate replace "auto" with real values before the config reaches the engine, but
+    leave it where they have nothing to fill in. DeepSpeed then drops it inside config blocks, so the field
+    takes its default; so does shardspeed, with a warning naming the keys. A top-level key, or a value inside
+    the optimizer/scheduler blocks, has no safe default: "auto" there is a ConfigError naming the key.
+    """
+    dropped = []
+    for key, item in list(value.items()):
+        where = join(path, str(key))
+        if _is_auto(item) and where not in NATIVE_AUTO_KEYS:
+            if not path or where.split(".")[0] in STRICT_AUTO_BLOCKS:
+                _refuse_auto(where)
+            del value[key]
+            dropped.append(where)
+        elif isinstance(item, dict):
+            dropped += drop_auto(item, where)
+        elif isinstance(item, list):
+            for index, element in enumerate(item):
+                if _is_auto(element):
+                    _refuse_auto(f"{where}[{index}]")
+    return dropped
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _refuse_auto(path: str) -> None:
+    raise ConfigError(
+        f'{path}: "auto" is not a value: HF Transformers/Accelerate replace "auto" with real values '
+        f"before the config reaches the engine. When the config is passed to shardspeed directly, "
+        f"give {path} a value"
+    )

@@ -8,6 +8,7 @@ maps deprecated keys and warns about keys of features not implemented yet.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -50,6 +51,16 @@ from .monitoring import (
     WandbConfig,
 )
 from .zero import ZeroConfig
+
+
+def _infinity_means_never(value: Any) -> Any:
+    """``steps_per_print``: positive infinity (JSON ``Infinity``, ``float("inf")``, "inf") means never print."""
+    if isinstance(value, float) and math.isinf(value) and value > 0:
+        return None
+    if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity", "+infinity"):
+        return None
+    return value
+
 
 __all__ = ["ShardspeedConfig"]
 
@@ -117,8 +128,9 @@ class ShardspeedConfig:
     """Asynchronous I/O for NVMe offload."""
 
     # ---- logging and measurement (§2.8) ----
-    steps_per_print: PositiveInt | None = None
-    """Log progress every this many steps; null = never (DeepSpeed's code; its docs say 10)."""
+    steps_per_print: Annotated[PositiveInt | None, Key(normalize=_infinity_means_never)] = None
+    """Log progress every this many steps; null or Infinity = never (DeepSpeed's code; its docs say 10).
+    Accelerate writes ``float("inf")`` here to silence the engine's logging."""
     wall_clock_breakdown: bool = False
     """Time forward/backward/step. Default false."""
     memory_breakdown: bool = False

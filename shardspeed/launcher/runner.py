@@ -28,6 +28,7 @@ from shardspeed.launcher.hostfile import (
 )
 
 DEFAULT_HOSTFILE = "/job/hostfile"
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"  # DeepSpeed's name; Accelerate's launcher imports it
 DEFAULT_LAUNCHER = "ssh"
 
 

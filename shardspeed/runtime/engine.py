@@ -21,6 +21,7 @@ from shardspeed.runtime import memory
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.data import ShardedDataLoader
 from shardspeed.runtime.data_parallel import DataParallelOptimizer
+from shardspeed.runtime.engine_integrations import IntegrationMethods
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
 from shardspeed.runtime.optim import is_zero_tested_optimizer
 from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
@@ -44,7 +45,7 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
         torch._foreach_copy_([t.data for t in same_dtype], [p.view_as(t) for p, t in zip(pieces, same_dtype)])
 
 
-class ShardspeedEngine(nn.Module):
+class ShardspeedEngine(IntegrationMethods, nn.Module):
     """DeepSpeed's `DeepSpeedEngine` contract: call it, `backward(loss)`, `step()` every micro-batch."""
 
     def __init__(
@@ -422,3 +423,6 @@ def _cast_floating(obj, dtype: torch.dtype):
     if isinstance(obj, dict):
         return {k: _cast_floating(v, dtype) for k, v in obj.items()}
     return obj
+
+
+DeepSpeedEngine = ShardspeedEngine  # DeepSpeed's class name (`deepspeed.runtime.engine.DeepSpeedEngine`)

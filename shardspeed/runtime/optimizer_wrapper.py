@@ -45,6 +45,11 @@ class OptimizerWrapper:
         return self.optimizer.param_groups
 
     @property
+    def state(self) -> dict:
+        """The torch optimizer's per-parameter state (of this rank's shards under ZeRO), as DeepSpeed's."""
+        return self.optimizer.state
+
+    @property
     def loss_scale(self) -> float:
         return self.scaler.loss_scale
 

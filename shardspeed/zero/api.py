@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat
+from shardspeed.zero import init as zero_init
 
 
 def _owner(param: nn.Parameter):
@@ -23,8 +24,10 @@ def _owner(param: nn.Parameter):
 class GatheredParameters:
     """Context manager giving full stage-3 parameters inside the block (a no-op for other stages).
 
-    With `modifier_rank`, changes made on that rank are broadcast to all ranks and written back into the
-    shards and the fp32 master weights on exit; without it, changes are discarded, as in DeepSpeed.
+    Works on parameters of a ZeRO-3 engine and on parameters partitioned by `zero.Init` before any engine
+    exists (HF Transformers initialises and loads weights that way). With `modifier_rank`, changes made on
+    that rank are broadcast to all ranks and written back into the shards (and the fp32 master weights) on
+    exit; without it, changes are discarded, as in DeepSpeed.
     """
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
@@ -37,14 +40,20 @@ class GatheredParameters:
                 id(u): u for u in (getattr(p, "_shardspeed_unit", None) for p in params) if u is not None
             }
             self.units = sorted(units.values(), key=lambda u: u.names[0])  # the same order on every rank
+        # Partitioned by zero.Init, not yet owned by an engine: in the caller's order, the same on every rank.
+        self.init_params = [p for p in params if zero_init.is_partitioned(p)] if enabled else []
 
     def __enter__(self):
         for unit in self.units:
             unit.gather()
             unit.refs += 1
+        for param in self.init_params:
+            zero_init.gather(param)
         return self
 
     def __exit__(self, *exc):
+        for param in self.init_params:
+            zero_init.release(param, self.modifier_rank)
         for unit in self.units:
             if self.modifier_rank is not None:
                 src = (

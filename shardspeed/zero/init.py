@@ -56,7 +56,31 @@ def materialize(param: torch.Tensor) -> None:
     """Give a partitioned parameter its full value back (collective)."""
     if is_partitioned(param):
         param.data = full_value(param).clone()
-        del param._zero_init_shard, param._zero_init_shape, param._zero_init_group
+        del (
+            param._zero_init_shard,
+            param._zero_init_shape,
+            param._zero_init_group,
+            param.ds_numel,
+            param.ds_shape,
+        )
+
+
+def gather(param: torch.Tensor) -> None:
+    """Give a partitioned parameter its full value for a while, keeping its chunk (collective)."""
+    param.data = full_value(param).clone()
+
+
+def release(param: torch.Tensor, modifier_rank: int | None) -> None:
+    """End `gather`: with `modifier_rank`, that rank's full value becomes everyone's chunk (collective);
+    without, changes are dropped. The parameter is empty again afterwards."""
+    shard, group = param._zero_init_shard, param._zero_init_group
+    if modifier_rank is not None:
+        full = param.data.contiguous()
+        src = dist.get_global_rank(group, modifier_rank) if group is not None else modifier_rank
+        dist.broadcast(full, src=src, group=group)
+        mine = full.reshape(-1)[dist.get_rank(group) * shard.numel() :][: shard.numel()]
+        shard.zero_()[: mine.numel()].copy_(mine)
+    param.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
 
 
 def _partition(param: nn.Parameter, group, dtype: torch.dtype | None) -> None:
@@ -71,6 +95,7 @@ def _partition(param: nn.Parameter, group, dtype: torch.dtype | None) -> None:
     mine = data.reshape(-1)[rank * chunk : (rank + 1) * chunk]
     shard[: mine.numel()].copy_(mine)
     param._zero_init_shard, param._zero_init_shape, param._zero_init_group = shard, tuple(data.shape), group
+    param.ds_numel, param.ds_shape = data.numel(), data.shape  # DeepSpeed's names (see param_units.py)
     param.data = torch.empty(0, dtype=data.dtype, device=data.device)
 
 
@@ -118,12 +143,20 @@ class Init:
 
 
 def _dtype_from_config(config) -> torch.dtype | None:
+    """fp16/bf16 from the config's precision blocks. Only those are read: integrations (HF's model loading)
+    hand over their config before every "auto" in it is filled, and the engine validates it all later."""
     if config is None:
         return None
-    from shardspeed.config import load_config
+    from shardspeed.config.loader import read_config_source
 
-    cfg = load_config(config, world_size=dist.get_world_size())
-    return torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    if hasattr(config, "raw"):  # a loaded ShardspeedConfig
+        config = config.raw
+    raw = read_config_source(config)
+
+    def enabled(*names: str) -> bool:
+        return any(isinstance(raw.get(n), dict) and raw[n].get("enabled") is True for n in names)
+
+    return torch.float16 if enabled("fp16") else torch.bfloat16 if enabled("bf16", "bfloat16") else None
 
 
 def _init_owner(cls: type) -> type:

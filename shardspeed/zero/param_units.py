@@ -45,8 +45,11 @@ class ParamUnit(FlatParamBucket):
         self.refs = 0
         self.awaiting_grads = False
         self.on_modified = None  # set by the optimizer wrapper: refresh its fp32 master from the shard
-        for p in params:
+        for p, shape, numel in zip(params, self.shapes, self.numels):
             p._shardspeed_unit = self  # found by zero.GatheredParameters
+            # DeepSpeed's names for a partitioned parameter's full size: Transformers and Lightning count
+            # parameters with `p.ds_numel if hasattr(p, "ds_numel") else p.numel()`.
+            p.ds_numel, p.ds_shape = numel, torch.Size(shape)
         self._work = None
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         if not persistent:

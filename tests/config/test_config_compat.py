@@ -6,6 +6,8 @@ import warnings
 import pytest
 
 from shardspeed.config import IMPLEMENTED, ConfigError, ConfigWarning, load_config
+from shardspeed.config.loader import parse_config_text
+from shardspeed.config.zero import ZeroConfig
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 
@@ -290,15 +292,10 @@ def test_cpu_offload_use_pin_memory_conflicts_with_explicit_pin_memory():
     [
         ({"train_batch_size": "auto"}, "train_batch_size"),
         ({**BASE, "gradient_clipping": "auto"}, "gradient_clipping"),
-        ({**BASE, "fp16": {"enabled": "auto"}}, "fp16.enabled"),
         ({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
         (
             {**BASE, "optimizer": {"type": "AdamW", "params": {"betas": ["auto", 0.99]}}},
             "optimizer.params.betas[0]",
-        ),
-        (
-            {**BASE, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
-            "zero_optimization.reduce_bucket_size",
         ),
         (
             {**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "AUTO"}}},
@@ -312,6 +309,41 @@ def test_auto_is_refused_with_an_explanation(config, key):
     message = str(caught.value)
     assert message.startswith(f"{key}:")
     assert "HF Transformers/Accelerate" in message and '"auto"' in message
+
+
+def test_auto_left_inside_a_block_falls_back_to_the_default_with_a_warning():
+    # Integrations leave "auto" where they have nothing to fill in; DeepSpeed drops it there.
+    config = {
+        **BASE,
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+        },
+    }
+    with pytest.warns(ConfigWarning, match=r'"auto" left unfilled') as caught:
+        cfg = load_config(config)
+    message = str(caught[0].message)
+    for key in ("fp16.enabled", "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch"):
+        assert key in message
+    assert cfg.fp16.enabled is False and cfg.zero_optimization.stage == 3
+    assert cfg.zero_optimization.reduce_bucket_size == ZeroConfig().reduce_bucket_size
+    assert config["fp16"] == {"enabled": "auto"}  # the caller's dict is not modified
+
+
+def test_steps_per_print_infinity_means_never():
+    # Accelerate writes float("inf") to silence the engine; DeepSpeed accepts it.
+    assert load_config({**BASE, "steps_per_print": float("inf")}).steps_per_print is None
+    assert (
+        load_config(
+            parse_config_text('{"train_micro_batch_size_per_gpu": 2, "steps_per_print": Infinity}')
+        ).steps_per_print
+        is None
+    )
+    assert load_config({**BASE, "steps_per_print": 7}).steps_per_print == 7
+    with pytest.raises(ConfigError, match=r"^steps_per_print: expected an integer, got -Infinity"):
+        load_config({**BASE, "steps_per_print": float("-inf")})
 
 
 def test_pipeline_stages_auto_is_deepspeeds_own_default():

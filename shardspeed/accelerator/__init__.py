@@ -1,7 +1,8 @@
 """Device and backend choice: CUDA with NCCL where a GPU is visible, CPU with Gloo otherwise.
 
 Everything device-specific (which backend, which device for a local rank, memory statistics) is asked here,
-so the rest of the package is written once for both.
+so the rest of the package is written once for both. `get_accelerator()` returns the same choice as an object
+with DeepSpeed's `deepspeed.accelerator` method names, for code written against DeepSpeed (see facade.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import torch
 
 
 def has_cuda() -> bool:
-    return torch.cuda.is_available() and os.environ.get("SHARDSPEED_ACCELERATOR", "").lower() != "cpu"
+    """A usable GPU, unless SHARDSPEED_ACCELERATOR=cpu (or DeepSpeed's DS_ACCELERATOR=cpu) asks for the CPU."""
+    forced = os.environ.get("SHARDSPEED_ACCELERATOR") or os.environ.get("DS_ACCELERATOR") or ""
+    return torch.cuda.is_available() and forced.lower() != "cpu"
 
 
 def default_backend() -> str:
@@ -39,3 +42,21 @@ def synchronize(device: torch.device) -> None:
 
 def memory_allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def get_accelerator():
+    """The DeepSpeed-style accelerator object for this process (CUDA or CPU, chosen as `has_cuda`)."""
+    from shardspeed.accelerator.facade import current
+
+    return current()
+
+
+__all__ = [
+    "default_backend",
+    "device_for_local_rank",
+    "get_accelerator",
+    "has_cuda",
+    "memory_allocated",
+    "set_device",
+    "synchronize",
+]

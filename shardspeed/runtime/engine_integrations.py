@@ -1,0 +1,49 @@
+"""Engine methods that Hugging Face Transformers, Accelerate and Lightning call on a DeepSpeed engine.
+
+Mixed into `ShardspeedEngine`. Each one is a thin question to the config or a call into checkpoint/export.py;
+the list of callers and what they expect is in docs/compatibility.md ("Hugging Face, Accelerate, Lightning").
+"""
+
+from __future__ import annotations
+
+__all__ = ["IntegrationMethods"]
+
+
+class IntegrationMethods:
+    """`zero_gather_16bit_weights_on_model_save`, `_zero3_consolidated_16bit_state_dict` and friends."""
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether ZeRO-3 gathers full 16-bit weights for `save_16bit_model` (Accelerate asks before saving)."""
+        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The full module state dict on rank 0, None on the others (collective: every rank must call it).
+
+        DeepSpeed's name; the Trainer's `save_model` and Accelerate's `get_state_dict` call it under ZeRO-3.
+        Works at every stage (below stage 3 the parameters are already full).
+        """
+        from shardspeed.checkpoint.export import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return self._config.zero_optimization.offload_optimizer.enabled
+
+    def zero_offload_param(self) -> bool:
+        return self._config.zero_optimization.offload_param.enabled
+
+    def steps_per_print(self) -> int | None:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    def get_data_types(self):
+        """(model dtype, gradient-accumulation dtype), as DeepSpeed reports them."""
+        return self.plan.param_dtype, self.plan.grad_accum_dtype

@@ -1,0 +1,1 @@
+"""DeepSpeed's `deepspeed.runtime.sequence_parallel` path (Ulysses sequence parallelism): not built yet."""

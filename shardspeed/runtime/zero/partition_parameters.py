@@ -1,0 +1,55 @@
+"""DeepSpeed's `deepspeed.runtime.zero.partition_parameters` names, for code that imports or patches them.
+
+Transformers' `prevent_arange_dtype_change` swaps `zero_wrapper_for_fp_tensor_constructor` around model
+construction so that `zero.Init` does not cast `torch.arange` results (RoPE tables) to the training dtype.
+shardspeed's `zero.Init` never wraps tensor constructors (it casts parameters when it partitions them), so
+the wrapper here is only what such code reads and restores: it returns the constructor unchanged apart from
+the device. `ZeroParamStatus` lets code ask about a parameter's state the DeepSpeed way.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from shardspeed.accelerator import get_accelerator
+from shardspeed.zero import GatheredParameters, Init
+from shardspeed.zero.init import is_partitioned
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "get_accelerator",
+    "is_zero_param",
+    "zero_wrapper_for_fp_tensor_constructor",
+]
+
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+
+
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1  # the full value is present
+    NOT_AVAILABLE = 2  # only this rank's partition exists
+    INFLIGHT = 3  # being gathered
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):
+    """`fn` with `device` defaulting to `target_device`; dtypes are left alone (see the module docstring)."""
+
+    def wrapped(*args, **kwargs):
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def is_zero_param(parameter) -> bool:
+    """True for a parameter partitioned by `zero.Init` or managed by a ZeRO-3 engine."""
+    return is_partitioned(parameter) or getattr(parameter, "_shardspeed_unit", None) is not None

@@ -1,0 +1,46 @@
+"""`set_z3_leaf_modules`: mark module classes whose parameters ZeRO-3 gathers together, as DeepSpeed does.
+
+DeepSpeed gathers a "leaf" module's whole subtree at once instead of hooking each submodule, for modules
+whose forward touches parameters in a data-dependent order (mixture-of-experts blocks). shardspeed's
+stage 3 already gathers whole module subtrees as one unit (zero/param_units.py), so the mark is recorded
+(`_z3_leaf`) and read back by the getters; Accelerate sets it for MoE models.
+"""
+
+from __future__ import annotations
+
+__all__ = ["get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]
+
+
+def _mark(model, leaf_module_classes, flag: bool) -> list:
+    classes = tuple(leaf_module_classes)
+    names = {c for c in classes if isinstance(c, str)}
+    types = tuple(c for c in classes if isinstance(c, type))
+    if len(names) + len(types) != len(classes):
+        raise ValueError(
+            f"leaf_module_classes: expected module classes or class names, got {list(leaf_module_classes)!r}"
+        )
+    marked = []
+    for module in model.modules():
+        if isinstance(module, types) or type(module).__name__ in names:
+            module._z3_leaf = flag
+            marked.append(module)
+    if not marked:
+        raise ValueError(f"no module of the classes {list(leaf_module_classes)!r} is in the model")
+    return marked
+
+
+def set_z3_leaf_modules(model, leaf_module_classes) -> list:
+    """Mark every module of the given classes (or class names) as a ZeRO-3 leaf; returns those modules."""
+    return _mark(model, leaf_module_classes, True)
+
+
+def unset_z3_leaf_modules(model, leaf_module_classes) -> list:
+    return _mark(model, leaf_module_classes, False)
+
+
+def z3_leaf_module(model) -> bool:
+    return getattr(model, "_z3_leaf", False)
+
+
+def get_z3_leaf_modules(model) -> list:
+    return [m for m in model.modules() if z3_leaf_module(m)]

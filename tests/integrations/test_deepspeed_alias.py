@@ -1,0 +1,96 @@
+"""The `deepspeed` alias distribution (integrations/deepspeed-alias): every `deepspeed.X` is `shardspeed.X`.
+
+Runs in a fresh interpreter with the alias staged on PYTHONPATH (as `pip install` would lay it out), so the
+test needs nothing installed and leaves the test process's own imports alone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from .alias_path import alias_version, env_with_alias
+
+# Every module path and name Transformers 5.x, Accelerate 1.x and Lightning 2.x import on their DeepSpeed
+# paths (docs/compatibility.md lists who uses which).
+CHECK_NAMES = textwrap.dedent(
+    """
+    import importlib, importlib.metadata, sys
+    import deepspeed, shardspeed
+    assert deepspeed.__version__ == importlib.metadata.version("deepspeed") == VERSION, deepspeed.__version__
+    modules = [
+        "zero", "comm", "accelerator", "ops.adam", "ops.adagrad", "ops.lion", "utils", "utils.groups",
+        "utils.logging", "checkpoint.utils", "runtime.engine", "runtime.lr_schedules", "runtime.zero",
+        "runtime.zero.partition_parameters", "runtime.base_optimizer", "runtime.sequence_parallel.ulysses_sp",
+        "launcher.runner",
+    ]
+    for name in modules:
+        alias = importlib.import_module("deepspeed." + name)
+        assert alias is importlib.import_module("shardspeed." + name), name
+        assert alias.__name__ == alias.__spec__.name == "shardspeed." + name, alias.__spec__
+    # no module exists twice: every deepspeed.* entry is the shardspeed.* module object
+    for name, module in list(sys.modules.items()):
+        if name.startswith("deepspeed."):
+            assert module is sys.modules["shardspeed." + name[len("deepspeed."):]], name
+    from deepspeed import DeepSpeedEngine, comm as dist, initialize, init_distributed, tp_model_init, zero
+    from deepspeed.runtime.engine import DeepSpeedEngine as engine_class
+    from deepspeed.runtime.zero.partition_parameters import zero_wrapper_for_fp_tensor_constructor, _orig_torch_arange
+    from deepspeed.runtime.zero import GatheredParameters
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    from deepspeed.utils import logger, groups, set_z3_leaf_modules
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.lion import DeepSpeedCPULion
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+    from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    assert DeepSpeedEngine is engine_class is shardspeed.ShardspeedEngine
+    assert zero.Init is shardspeed.zero.Init and GatheredParameters is shardspeed.zero.GatheredParameters
+    assert "WarmupDecayLR" in VALID_LR_SCHEDULES and DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
+    assert deepspeed.utils.logging.logger is logger  # attribute access after a bare `import deepspeed`
+    assert deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES is VALID_LR_SCHEDULES
+    acc = get_accelerator()
+    assert acc.device_name() == "cpu" and acc.communication_backend_name() == "gloo" and acc.is_available()
+    assert acc.current_device_name() == "cpu" and acc.device_name(0) == "cpu"
+    for call in (lambda: tp_model_init(None, tp_size=2, dtype=None), lambda: UlyssesSPDataLoaderAdapter(None)):
+        try:
+            call()
+        except NotImplementedError as error:
+            assert "not implemented in shardspeed yet" in str(error), error
+        else:
+            raise AssertionError("expected NotImplementedError")
+    try:
+        import deepspeed.no_such_module
+    except ModuleNotFoundError as error:
+        assert error.name == "deepspeed.no_such_module", error.name
+    else:
+        raise AssertionError("expected ModuleNotFoundError")
+    print("ALIAS OK")
+    """
+)
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {**env, "SHARDSPEED_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_every_deepspeed_module_is_the_shardspeed_module(tmp_path):
+    proc = _python(f"VERSION = {alias_version()!r}\n" + CHECK_NAMES, env_with_alias(tmp_path / "site"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ALIAS OK" in proc.stdout
+
+
+def test_real_deepspeed_also_on_the_path_is_refused(tmp_path):
+    other = tmp_path / "elsewhere" / "deepspeed"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("__version__ = '0.19.8'\n")
+    env = env_with_alias(tmp_path / "site")
+    env["PYTHONPATH"] += f":{tmp_path / 'elsewhere'}"
+    proc = _python("import deepspeed", env)
+    assert proc.returncode != 0
+    assert "two packages named 'deepspeed' are importable" in proc.stderr
+    assert str(other / "__init__.py") in proc.stderr and "pip uninstall deepspeed" in proc.stderr
