@@ -58,6 +58,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
         "checkpoint.tag_validation",
+        "activation_checkpointing",
     }
 )
 
