@@ -59,6 +59,12 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_force_ds_cpu_optimizer",
         "checkpoint.tag_validation",
         "activation_checkpointing",
+        "tensorboard",
+        "csv_monitor",
+        "wandb",
+        "comet",
+        "flops_profiler",
+        "comms_logger",
     }
 )
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardspeed.comm.collectives import all_gather_flat
+from shardspeed.comm.collectives import all_gather_flat, all_reduce
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan
@@ -126,7 +126,7 @@ class ZeroOptimizer(OptimizerWrapper):
         local = torch.zeros((), dtype=torch.float32, device=flats[0].device if flats else "cpu")
         for f in flats:
             local += torch.linalg.vector_norm(f, dtype=torch.float32) ** 2
-        dist.all_reduce(local, group=self.group)
+        all_reduce(local, group=self.group)
         return math.sqrt(local.item())
 
     def _apply(self, multiplier: float) -> None:

@@ -1,0 +1,1 @@
+"""`shardspeed.profiling`: the flops profiler (DeepSpeed's `deepspeed.profiling.flops_profiler`)."""
