@@ -241,7 +241,9 @@ def _partitioned(world):
     checkpointing.core.store = spy
     x.grad = None
     got = grads_of(blocks, x, lambda b, h: checkpointing.checkpoint(b, h))
+    checkpointing.core.store = original
     checkpointing.model_parallel_cuda_manual_seed(7)
+    state.configure(None)
     return (
         all(torch.equal(g, r) for g, r in zip(got, reference)),
         kept,
@@ -249,8 +251,60 @@ def _partitioned(world):
     )
 
 
-def test_partition_activations_over_a_two_rank_group():
-    results = run_ranks(_partitioned, 2, 2)
+class DropoutNet(nn.Module):
+    def __init__(self, wrap):
+        super().__init__()
+        self.wrap = wrap
+        self.blocks = make_blocks(dim=8, n=3, dropout=0.2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = self.wrap(block, x) if self.wrap is not None else block(x)
+        return x.pow(2).mean()
+
+
+def _engine_losses() -> dict:
+    """Three training steps of a dropout MLP under every ZeRO stage, plain and checkpointed per block."""
+    import shardspeed
+
+    losses = {}
+    for name, wrap in [("plain", None), ("checkpoint", checkpointing.checkpoint),
+                       ("non_reentrant", checkpointing.non_reentrant_checkpoint)]:  # fmt: skip
+        for stage in (0, 2, 3):
+            config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+                      "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+            engine, *_ = shardspeed.initialize(model=DropoutNet(wrap), config=config)
+            torch.manual_seed(1)
+            run = []
+            for _ in range(3):
+                loss = engine(torch.randn(2, 8))
+                engine.backward(loss)
+                engine.step()
+                run.append(loss.item())
+            engine.destroy()
+            losses[(name, stage)] = run
+    return losses
+
+
+def _two_rank_cases(world):
+    return {"partition": _partitioned(world), "engine": _engine_losses()}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_ranks(_two_rank_cases, 2, 2)
+
+
+def test_checkpointed_training_equals_plain_under_every_zero_stage(two_rank_results):
+    for rank in two_rank_results:
+        losses = rank["engine"]
+        reference = losses[("plain", 0)]
+        assert len(set(reference)) == 3  # it trains
+        assert all(run == reference for run in losses.values()), losses  # bit-identical, dropout included
+
+
+def test_partition_activations_over_a_two_rank_group(two_rank_results):
+    results = [r["partition"] for r in two_rank_results]
     for exact, kept, _ in results:
         assert exact
         assert kept == [40, 40, 40]  # half of each 8x10 input per rank
