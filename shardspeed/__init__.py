@@ -32,6 +32,8 @@ _LAZY = {
     "comm": ("shardspeed.comm", None),
     "init_distributed": ("shardspeed.comm.init", "init_distributed"),
     "initialize": ("shardspeed.api", "initialize"),
+    "monitor": ("shardspeed.monitor", None),
+    "profiling": ("shardspeed.profiling", None),
     "zero": ("shardspeed.zero", None),
 }
 

@@ -40,7 +40,8 @@ def is_configured() -> bool:
     return _current is not None
 
 
-def configure(settings: Settings) -> None:
+def configure(settings: Settings | None) -> None:
+    """Install `settings` (None: back to "not configured")."""
     global _current
     _current = settings
 
