@@ -15,9 +15,11 @@ So with Gloo a reduce-scatter is one `reduce` per slice to the rank that owns it
 `broadcast` per slice from its owner — the same results (sums of the same values, copies of the same bits),
 issued in the same order on every rank. NCCL (and any other backend) uses the native collectives.
 
-Every collective the library issues goes through this module, so the comms logger (`comm/logger.py`) sees
-each one once, under its logical name (a Gloo reduce-scatter is logged as one `reduce_scatter_tensor`, not
-as its per-slice reduces). With the logger off the only cost is one `is None` check.
+Every collective of a training step (gradient all-reduce/reduce-scatter, parameter all-gathers, the norm's
+all-reduce) goes through this module, so the comms logger (`comm/logger.py`) sees each one once, under its
+logical name (a Gloo reduce-scatter is logged as one `reduce_scatter_tensor`, not as its per-slice reduces).
+With the logger off the only cost is one `is None` check. (Start-up broadcasts and checkpoint barriers call
+torch directly and are not logged.)
 """
 
 from __future__ import annotations
