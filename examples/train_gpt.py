@@ -1,6 +1,12 @@
 """Train a small GPT on the Python standard library's own source text, the DeepSpeed way.
 
     shardspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/configs/gpt_small.json
+    shardspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/configs/gpt_observe.json
+
+`gpt_observe.json` adds activation checkpointing, the CSV monitor (runs/gpt/), the flops profiler at step 2
+and the comms logger; set "enabled": true in its tensorboard/wandb blocks once `pip install
+'shardspeed[tensorboard,wandb]'` is done, then plot the CSV curves with
+`python -m shardspeed.monitor.plot runs/gpt --out curves.png`.
 
 Runs on CPU (Gloo) or GPUs (NCCL) unchanged; the script only talks to the `deepspeed` API, so replacing
 `import shardspeed as deepspeed` by `import deepspeed` runs it under DeepSpeed. The corpus is every `.py` file
@@ -91,7 +97,15 @@ class GPT(nn.Module):
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         x = self.tok(inputs) + self.pos(torch.arange(inputs.shape[1], device=inputs.device))
-        logits = self.head(self.ln_f(self.blocks(x)))
+        for block in self.blocks:
+            # with an "activation_checkpointing" block in the config, keep only each block's input and
+            # recompute the rest in backward
+            x = (
+                deepspeed.checkpointing.checkpoint(block, x)
+                if deepspeed.checkpointing.is_configured()
+                else block(x)
+            )
+        logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -134,6 +148,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     if args.save_dir:
         engine.save_checkpoint(args.save_dir)
+    deepspeed.comm.log_summary()  # the comms logger's table, when the config's "comms_logger" is enabled
     if rank == 0:
         tokens = args.steps * engine.train_batch_size() * args.seq
         final = loss.item()

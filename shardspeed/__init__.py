@@ -28,10 +28,13 @@ _LAZY = {
     "RepeatingLoader": ("shardspeed.runtime.data", "RepeatingLoader"),
     "ShardspeedEngine": ("shardspeed.runtime.engine", "ShardspeedEngine"),
     "add_config_arguments": ("shardspeed.api", "add_config_arguments"),
+    "checkpointing": ("shardspeed.checkpointing", None),
     "comm": ("shardspeed.comm", None),
     "init_distributed": ("shardspeed.comm.init", "init_distributed"),
     "initialize": ("shardspeed.api", "initialize"),
     "tp_model_init": ("shardspeed.placeholders", "tp_model_init"),
+    "monitor": ("shardspeed.monitor", None),
+    "profiling": ("shardspeed.profiling", None),
     "zero": ("shardspeed.zero", None),
 }
 

@@ -88,6 +88,10 @@ def initialize(
         mpu=mpu,
         collate_fn=collate_fn,
     )
+    if "activation_checkpointing" in cfg.raw:  # DeepSpeed leaves this to the user; see compatibility.md
+        from shardspeed import checkpointing
+
+        checkpointing.configure(mpu, deepspeed_config=cfg)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -1,5 +1,6 @@
 """The README's main job runs under torchrun and under plain `python` (a world of one)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -47,3 +48,17 @@ def test_example_under_plain_python(tmp_path):
                    "--save_dir", str(tmp_path), *SMALL])  # fmt: skip
     assert "1 processes" in output
     assert (tmp_path / "latest").read_text() == "global_step12"
+
+
+def test_example_turns_on_checkpointing_monitor_profiler_and_comms_logger(tmp_path):
+    config = json.loads((ROOT / "examples/configs/gpt_observe.json").read_text())
+    config["csv_monitor"]["output_path"] = str(tmp_path)
+    path = tmp_path / "observe.json"
+    path.write_text(json.dumps(config))
+    output = _run([sys.executable, "examples/train_gpt.py", "--deepspeed_config", str(path), *SMALL])
+    first, last = _losses(output)
+    assert last < first
+    assert "Profile Summary at step 2:" in output  # the flops profiler's report
+    assert "Comm. Op" in output and "all_gather_into_tensor" in output  # the comms logger's table
+    lines = (tmp_path / "gpt" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert lines[0] == "step,train_loss" and len(lines) == 1 + 12

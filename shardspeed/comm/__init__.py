@@ -1,6 +1,7 @@
 """`shardspeed.comm`: process-group start-up and a torch.distributed-like facade (as `deepspeed.comm`).
 
-The collectives are torch.distributed's own; this module adds only the DeepSpeed names users call.
+The collectives are torch.distributed's own (`ops.py` lets the comms logger see them, `logger.py`); this
+module adds the DeepSpeed names users call.
 """
 
 from __future__ import annotations
@@ -10,28 +11,33 @@ import os
 import torch.distributed as dist
 from torch.distributed import (
     ReduceOp,
-    all_gather,
-    all_gather_into_tensor,
-    all_reduce,
-    all_to_all_single,
-    barrier,
-    broadcast,
     broadcast_object_list,
     destroy_process_group,
-    gather,
-    irecv,
-    isend,
     monitored_barrier,
     new_group,
-    recv,
-    reduce,
-    reduce_scatter_tensor,
-    scatter,
-    send,
 )
 
 from shardspeed.comm.discovery import ProcessInfo, discover
 from shardspeed.comm.init import init_distributed
+from shardspeed.comm.logger import configure, log_summary
+from shardspeed.comm.ops import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    gather,
+    irecv,
+    isend,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
 
 
 def is_initialized() -> bool:
@@ -68,10 +74,12 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all",
     "all_to_all_single",
     "barrier",
     "broadcast",
     "broadcast_object_list",
+    "configure",
     "destroy_process_group",
     "discover",
     "gather",
@@ -85,10 +93,12 @@ __all__ = [
     "is_available",
     "is_initialized",
     "isend",
+    "log_summary",
     "monitored_barrier",
     "new_group",
     "recv",
     "reduce",
+    "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
     "send",

@@ -14,12 +14,20 @@ torch 2.13 on 2 CPU ranks over loopback (fp32, median of 5):
 So with Gloo a reduce-scatter is one `reduce` per slice to the rank that owns it, and an all-gather is one
 `broadcast` per slice from its owner — the same results (sums of the same values, copies of the same bits),
 issued in the same order on every rank. NCCL (and any other backend) uses the native collectives.
+
+Every collective of a training step (gradient all-reduce/reduce-scatter, parameter all-gathers, the norm's
+all-reduce) goes through this module, so the comms logger (`comm/logger.py`) sees each one once, under its
+logical name (a Gloo reduce-scatter is logged as one `reduce_scatter_tensor`, not as its per-slice reduces).
+With the logger off the only cost is one `is None` check. (Start-up broadcasts and checkpoint barriers call
+torch directly and are not logged.)
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from shardspeed.comm import logger
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -71,12 +79,42 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """`torch.distributed.all_reduce`, seen by the comms logger."""
+    log = logger.active()
+    if log is None:
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    run = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # noqa: E731
+    return log.timed("all_reduce", _nbytes(tensor), run, group=group)
+
+
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Sum `input` (world_size equal slices) across ranks; this rank's slice of the sum lands in `output`.
 
     `output` may be this rank's slice of `input` itself (in place). The other slices of `input` are scratch
     afterwards.
     """
+    log = logger.active()
+    if log is None:
+        return _reduce_scatter_flat(output, input, group, async_op)
+    run = lambda: _reduce_scatter_flat(output, input, group, async_op)  # noqa: E731
+    return log.timed("reduce_scatter_tensor", _nbytes(input), run, group=group)
+
+
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's `input` into `output`; `input` may be this rank's slice of `output`."""
+    log = logger.active()
+    if log is None:
+        return _all_gather_flat(output, input, group, async_op)
+    run = lambda: _all_gather_flat(output, input, group, async_op)  # noqa: E731
+    return log.timed("all_gather_into_tensor", _nbytes(output), run, group=group)
+
+
+def _reduce_scatter_flat(output, input, group, async_op):
     if dist.get_world_size(group) == 1:  # the sum of one rank's values: no collective
         return _local(output, input, async_op)
     if not _per_slice(group):
@@ -91,8 +129,7 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, a
     return handle if async_op else handle.wait()
 
 
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Concatenate every rank's `input` into `output`; `input` may be this rank's slice of `output`."""
+def _all_gather_flat(output, input, group, async_op):
     if dist.get_world_size(group) == 1:
         return _local(output, input, async_op)
     if not _per_slice(group):

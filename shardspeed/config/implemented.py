@@ -58,6 +58,13 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
         "checkpoint.tag_validation",
+        "activation_checkpointing",
+        "tensorboard",
+        "csv_monitor",
+        "wandb",
+        "comet",
+        "flops_profiler",
+        "comms_logger",
     }
 )
 

@@ -23,6 +23,7 @@ from shardspeed.runtime.data import ShardedDataLoader
 from shardspeed.runtime.data_parallel import DataParallelOptimizer
 from shardspeed.runtime.engine_integrations import IntegrationMethods
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
+from shardspeed.runtime.observers import StepObservers
 from shardspeed.runtime.optim import is_zero_tested_optimizer
 from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
@@ -93,8 +94,11 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         self.basic_optimizer = client_optimizer
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
 
-        self.timers = PhaseTimers(self.device, config.wall_clock_breakdown)
+        # the flops profiler reports backward and step latency, so it turns the timers on (as in DeepSpeed)
+        self.timers = PhaseTimers(self.device, config.wall_clock_breakdown or config.flops_profiler.enabled)
         self.throughput = ThroughputMeter()
+        self.observers = StepObservers(self, config)  # monitors, flops profiler, comms logger
+        self.monitor = self.observers.monitor
         if self.global_rank == 0:
             log_dist(
                 f"engine ready: world_size={self.world_size} zero_stage={self.zero_optimization_stage()} "
@@ -214,9 +218,11 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
     def forward(self, *inputs, **kwargs):
         self.timers.start("forward")
+        self.observers.before_forward(self)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs, kwargs = _cast_floating((inputs, kwargs), torch.float16)
         out = self.module(*inputs, **kwargs)
+        self.observers.after_forward(self)
         self.timers.stop("forward")
         return out
 
@@ -259,6 +265,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             self.global_samples += self.train_batch_size()
             self.throughput.add(self.train_batch_size())
             self.timers.stop("step")
+            self.observers.after_step(self, self._window_loss)
             self._report_progress()
         self.micro_steps += 1
 
@@ -407,7 +414,8 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
     def destroy(self) -> None:
         """Remove gradient hooks so the module can be used (or wrapped again) without this engine, and delete
-        NVMe optimizer-offload swap files."""
+        NVMe optimizer-offload swap files; close the monitors' files."""
+        self.observers.close()
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
             if getattr(self.optimizer, "nvme", None) is not None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardspeed.comm.collectives import completed_work, reduce_scatter_flat
+from shardspeed.comm.collectives import all_reduce, completed_work, reduce_scatter_flat
 from shardspeed.zero.init import logical_numel
 
 
@@ -195,7 +195,7 @@ class BucketedAllReducer:
             own = bucket.shard(tensor, self.rank)
             bucket.work = reduce_scatter_flat(own, tensor, group=self.group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            bucket.work = all_reduce(tensor, group=self.group, async_op=True)
         if not self.overlap_comm:
             bucket.work.wait()
 

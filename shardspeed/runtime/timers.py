@@ -20,7 +20,9 @@ class PhaseTimers:
     def __init__(self, device: torch.device, enabled: bool):
         self.device = device
         self.enabled = enabled
-        self.totals: dict[str, float] = defaultdict(float)
+        self.totals: dict[str, float] = defaultdict(float)  # since the last report()
+        self.window: dict[str, float] = defaultdict(float)  # since the last take_window() (the monitors')
+        self.last: dict[str, float] = {}  # the latest interval of each phase
         self._started: dict[str, float] = {}
 
     def start(self, name: str) -> None:
@@ -31,12 +33,21 @@ class PhaseTimers:
     def stop(self, name: str) -> None:
         if self.enabled and name in self._started:
             accelerator.synchronize(self.device)
-            self.totals[name] += time.perf_counter() - self._started.pop(name)
+            elapsed = time.perf_counter() - self._started.pop(name)
+            self.totals[name] += elapsed
+            self.window[name] += elapsed
+            self.last[name] = elapsed
 
     def report(self) -> str:
         text = " | ".join(f"{name}: {1000 * total:.1f} ms" for name, total in self.totals.items())
         self.totals.clear()
         return text
+
+    def take_window(self) -> dict[str, float]:
+        """Seconds per phase since the previous call, then start a new window."""
+        window = dict(self.window)
+        self.window.clear()
+        return window
 
 
 class ThroughputMeter:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardspeed.comm.collectives import all_gather_flat
+from shardspeed.comm.collectives import all_gather_flat, all_reduce
 from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.placement import place_optimizer_state
@@ -148,7 +148,7 @@ class ZeroOptimizer(OptimizerWrapper):
             for f in flats:
                 local += torch.linalg.vector_norm(f, dtype=torch.float32) ** 2
         if dist.get_world_size(self.group) > 1:
-            dist.all_reduce(local, group=self.group)
+            all_reduce(local, group=self.group)
         return math.sqrt(local.item())
 
     def _apply(self, multiplier: float) -> None:

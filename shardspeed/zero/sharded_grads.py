@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardspeed.comm.collectives import reduce_scatter_flat
+from shardspeed.comm.collectives import all_reduce, reduce_scatter_flat
 from shardspeed.zero.flat_params import FlatParamBucket
 
 MAX_IN_FLIGHT = 2
@@ -148,7 +148,7 @@ class ShardedGradReducer:
         if self.use_reduce_scatter:
             work = reduce_scatter_flat(own, slot.staging, group=self.group, async_op=True)
         else:
-            work = dist.all_reduce(slot.staging, group=self.group, async_op=True)
+            work = all_reduce(slot.staging, group=self.group, async_op=True)
         slot.launched = True
         if slot.num_ready < len(slot.bucket.params) and self.on_grads_staged is not None:
             self.on_grads_staged(slot.bucket)  # some parameters got no gradient: nothing more will come

@@ -357,25 +357,35 @@ def test_pipeline_stages_auto_is_deepspeeds_own_default():
 def test_unimplemented_keys_get_exactly_one_warning_naming_all():
     config = {
         **BASE,
+        "progressive_layer_drop": {"enabled": True},
+        "eigenvalue": {"enabled": True},
+        "checkpoint": {"tag_validation": "Warn", "load_universal": True},
+        "sparse_gradients": True,
+        # implemented blocks: no warning
         "tensorboard": {"enabled": True, "output_path": "runs"},
         "flops_profiler": {"enabled": True},
         "activation_checkpointing": {"partition_activations": True},
-        "checkpoint": {"tag_validation": "Warn", "load_universal": True},
-        "sparse_gradients": True,
+        "comms_logger": {"enabled": True},
     }
     _, messages = load_recording(config)
     assert len(messages) == 1
     message = messages[0]
     assert "not implemented yet" in message
     for key in (
-        "tensorboard",
-        "flops_profiler",
-        "activation_checkpointing",
+        "progressive_layer_drop",
+        "eigenvalue",
         "checkpoint.load_universal",
         "sparse_gradients",
     ):
         assert key in message
-    assert "tag_validation" not in message
+    for key in (
+        "tag_validation",
+        "tensorboard",
+        "flops_profiler",
+        "activation_checkpointing",
+        "comms_logger",
+    ):
+        assert key not in message
 
 
 def test_disabled_or_default_valued_features_do_not_warn():
