@@ -31,6 +31,8 @@ _LAZY = {
     "comm": ("shardspeed.comm", None),
     "init_distributed": ("shardspeed.comm.init", "init_distributed"),
     "initialize": ("shardspeed.api", "initialize"),
+    "pipe": ("shardspeed.pipe", None),
+    "PipelineEngine": ("shardspeed.pipe.engine", "PipelineEngine"),
     "zero": ("shardspeed.zero", None),
 }
 

@@ -8,6 +8,8 @@ from torch import nn
 
 from shardspeed.comm.init import init_distributed
 from shardspeed.config import ConfigError, load_config
+from shardspeed.pipe.engine import PipelineEngine
+from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.engine import ShardspeedEngine
 
 
@@ -60,9 +62,19 @@ def initialize(
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
 
+    engine_class = ShardspeedEngine
+    if isinstance(model, PipelineModule):  # as DeepSpeed: the pipeline engine, over the module's topology
+        engine_class = PipelineEngine
+        if mpu is not None:
+            raise ValueError(
+                "initialize(mpu=...) cannot be combined with a PipelineModule (it has a topology)"
+            )
+        mpu = model.mpu()
     world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
     cfg = load_config(source, world_size=world)
-    engine = ShardspeedEngine(
+    if engine_class is not ShardspeedEngine:
+        mpu = None  # the pipeline engine takes the grid from the module
+    engine = engine_class(
         model,
         cfg,
         optimizer=optimizer,
