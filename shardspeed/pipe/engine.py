@@ -296,6 +296,27 @@ class PipelineEngine(ShardspeedEngine):
         self.micro_steps += micro_batches
         self.throughput.add(self.train_batch_size())
 
+    # -- checkpoints (pipe/checkpoint.py) ----------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False) -> bool:  # fmt: skip
+        from shardspeed.pipe.checkpoint import save_pipeline_checkpoint
+
+        return save_pipeline_checkpoint(
+            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
+        from shardspeed.pipe.checkpoint import load_pipeline_checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
+        return load_pipeline_checkpoint(
+            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+            load_module_only,
+        )  # fmt: skip
+
     # -- reductions across stages -----------------------------------------------------------------------------
 
     def _pipeline_norm(self, stage_norm: float) -> float:
