@@ -11,13 +11,16 @@ VOCAB, HIDDEN, SEQ, BASE_SEED = 16, 8, 6, 1234
 
 
 class Block(nn.Module):
-    """A residual tanh MLP block (the pipeline's repeated layer)."""
+    """A residual tanh MLP block (the pipeline's repeated layer). `calls` counts forwards (recomputation)."""
+
+    calls = 0
 
     def __init__(self, hidden: int):
         super().__init__()
         self.lin = nn.Linear(hidden, hidden)
 
     def forward(self, x):
+        Block.calls += 1
         return x + torch.tanh(self.lin(x))
 
 
@@ -81,8 +84,11 @@ def replica_iterator(inputs, labels, steps: range, dp_rank: int, dp: int, micro:
             yield inputs[t, start : start + micro], labels[t, start : start + micro]
 
 
-def reference_train(specs, config: dict, inputs, labels, steps: int) -> dict[str, torch.Tensor]:
-    """Plain PyTorch: the same layers (same per-layer seeds), one process, the whole global batch."""
+def reference_train(specs, config: dict, inputs, labels, steps: int) -> dict:
+    """Plain PyTorch: the same layers (same per-layer seeds), one process, the whole global batch.
+
+    Returns the final parameters by name, each step's mean loss, and the final model's mean loss on batch 0.
+    """
     modules, funcs, tied = nn.ModuleDict(), [], {}
     for index, spec in enumerate(specs):
         torch.manual_seed(BASE_SEED + index)
@@ -101,15 +107,27 @@ def reference_train(specs, config: dict, inputs, labels, steps: int) -> dict[str
     optimizer = getattr(torch.optim, opt_cfg["type"])(modules.parameters(), **opt_cfg["params"])
     gas = config["gradient_accumulation_steps"]
     clip = config.get("gradient_clipping", 0.0)
+    per_micro = inputs.shape[1] // gas
+
+    def micro_loss(t: int, k: int):
+        x = inputs[t, k * per_micro : (k + 1) * per_micro]
+        for f in funcs:
+            x = f(x)
+        return loss_fn(x, labels[t, k * per_micro : (k + 1) * per_micro])
+
+    losses = []
     for t in range(steps):
-        per_micro = inputs.shape[1] // gas
+        total = 0.0
         for k in range(gas):
-            x = inputs[t, k * per_micro : (k + 1) * per_micro]
-            for f in funcs:
-                x = f(x)
-            (loss_fn(x, labels[t, k * per_micro : (k + 1) * per_micro]) / gas).backward()
+            loss = micro_loss(t, k) / gas
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
         if clip:
             torch.nn.utils.clip_grad_norm_(modules.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
-    return {name.replace("/", "."): p.detach().clone() for name, p in modules.named_parameters()}
+    with torch.no_grad():
+        eval_loss = sum(micro_loss(0, k).item() for k in range(gas)) / gas
+    params = {name.replace("/", "."): p.detach().clone() for name, p in modules.named_parameters()}
+    return {"params": params, "losses": losses, "eval_loss": eval_loss}
