@@ -171,26 +171,34 @@ class PipelineEngine(ShardspeedEngine):
     # -- data --------------------------------------------------------------------------------------------------
 
     def _read_batches(self, count: int, caller: str) -> list:
-        """Read this batch's micro-batches up front; every stage learns together if the data ran out."""
-        batches, problem = [], ""
+        """Read this batch's micro-batches up front (first and last stage); every stage then learns together
+        whether the data ran out, and raises the same error instead of waiting for activations forever."""
+        batches, no_iterator, missing = [], 0, 0
         if self.is_first_stage() or self.is_last_stage():
             if self.data_iterator is None:
-                problem = (f"{caller}() has no data: pass data_iter, call set_dataiterator()/set_dataloader(), "
-                           "or give training_data to initialize()")  # fmt: skip
+                no_iterator = 1
             else:
-                for index in range(count):
+                for _ in range(count):
                     try:
                         batch = next(self.data_iterator)
                     except StopIteration:
-                        problem = (f"{caller}(): the data iterator ran dry after {index} of {count} micro-batches "
-                                   "(wrap the loader in shardspeed.utils.RepeatingLoader to cycle it)")  # fmt: skip
                         break
                     batches.append(self.batch_fn(batch) if self.batch_fn else batch)
-        flag = torch.tensor([1 if problem else 0], device=self.device)
+                missing = count - len(batches)
+        # [no iterator anywhere, micro-batches missing anywhere]
+        problems = torch.tensor([no_iterator, missing], device=self.device)
         if self.num_stages > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pipe_group)
-        if flag.item():
-            raise PipelineError(problem or f"{caller}(): another pipeline stage could not read its data")
+            dist.all_reduce(problems, op=dist.ReduceOp.MAX, group=self.pipe_group)
+        if problems[0].item():
+            raise PipelineError(
+                f"{caller}() has no data: pass data_iter, call set_dataiterator()/set_dataloader(), or give "
+                "training_data to initialize()"
+            )
+        if problems[1].item():
+            raise PipelineError(
+                f"{caller}(): the data iterator ran dry after {count - int(problems[1].item())} of {count} "
+                "micro-batches (wrap the loader in shardspeed.utils.RepeatingLoader to cycle it)"
+            )
         return batches
 
     def _to_device(self, obj, cast: bool):
