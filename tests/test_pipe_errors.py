@@ -37,13 +37,20 @@ def _error(fn) -> str:
     return "no error"
 
 
-def misuse_job():
+def pipeline_job():
+    """Both checks in one process group (process start-up dominates their cost)."""
+    import shardspeed
+
+    shardspeed.init_distributed()
+    return misuse(), overflow()
+
+
+def misuse() -> dict:
     import torch
 
     import shardspeed
     from shardspeed.pipe import LayerSpec, PipelineModule
 
-    shardspeed.init_distributed()
     out = {}
     out["stages_not_dividing"] = _error(lambda: PipelineModule(layer_specs(), num_stages=3, loss_fn=loss_fn))
     three = [LayerSpec(torch.nn.Linear, 4, 4) for _ in range(3)]
@@ -65,13 +72,12 @@ def misuse_job():
     return out
 
 
-def overflow_job():
+def overflow() -> dict:
     import torch
 
     import shardspeed
     from shardspeed.pipe import PipelineModule
 
-    shardspeed.init_distributed()
     specs = layer_specs(tripwire=True)  # the tripwire sits on stage 0 only
     model = PipelineModule(specs, num_stages=4, loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED,
                            partition_method="uniform")  # fmt: skip
@@ -101,9 +107,13 @@ def overflow_job():
     return record
 
 
-def test_misuse_errors_name_the_problem():
-    results = run_ranks(misuse_job, 4)
-    for rank, out in enumerate(results):  # every rank raises the same error
+@pytest.fixture(scope="module")
+def pipeline_results():
+    return run_ranks(pipeline_job, 4)
+
+
+def test_misuse_errors_name_the_problem(pipeline_results):
+    for rank, (out, _) in enumerate(pipeline_results):  # every rank raises the same error
         assert "num_stages=3 does not divide the world size 4" in out["stages_not_dividing"]
         assert (
             out["too_many_stages"].startswith("PartitionError")
@@ -118,8 +128,8 @@ def test_misuse_errors_name_the_problem():
         assert "the data iterator ran dry after 2 of 4 micro-batches" in out["dry"], (rank, out["dry"])
 
 
-def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage():
-    results = run_ranks(overflow_job, 4)
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(pipeline_results):
+    results = [overflow for _, overflow in pipeline_results]
     assert [r["holds_tripwire"] for r in results] == [True, False, False, False]
     for r in results:
         assert r["unchanged"], f"stage {r['stage']} stepped despite the overflow"
