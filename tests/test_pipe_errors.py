@@ -62,7 +62,13 @@ def misuse() -> dict:
     out["zero2"] = _error(
         lambda: shardspeed.initialize(model=model, config=dict(CONFIG, zero_optimization={"stage": 2}))
     )
-    engine, *_ = shardspeed.initialize(model=model, config=CONFIG)
+    out["stages_key"] = _error(
+        lambda: shardspeed.initialize(model=model, config=dict(CONFIG, pipeline={"stages": 2}))
+    )
+    engine, *_ = shardspeed.initialize(
+        model=model, config=dict(CONFIG, pipeline={"activation_checkpoint_interval": 1})
+    )
+    out["interval"] = model.activation_checkpoint_interval
     out["forward"] = _error(lambda: engine(torch.zeros(2, 6, dtype=torch.long)))
     out["step"] = _error(engine.step)
     out["no_data"] = _error(engine.train_batch)
@@ -121,6 +127,10 @@ def test_misuse_errors_name_the_problem(pipeline_results):
         )
         assert "'conv' matches no layer class" in out["regex"]
         assert out["zero2"].startswith("ConfigError") and "zero_optimization.stage: 2" in out["zero2"]
+        assert out["stages_key"] == (
+            "ConfigError: pipeline.stages: 2, but the PipelineModule was built with 4 stages"
+        )
+        assert out["interval"] == 1  # the config's activation_checkpoint_interval overrides the module's 0
         assert out["forward"] == "PipelineError: Only train_batch() is accessible in pipeline mode."
         assert out["step"] == out["forward"]
         assert "no data" in out["no_data"]

@@ -58,6 +58,9 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
         "checkpoint.tag_validation",
+        # The pipeline engine reads the whole block; pipe_partitioned/grad_partitioned only matter with a
+        # tensor-parallel axis, where DeepSpeed splits transfers between stages over the tensor ranks.
+        "pipeline",
     }
 )
 

@@ -33,6 +33,27 @@ class PipelineError(Exception):
     """Misuse of the pipeline engine (DeepSpeed's name)."""
 
 
+def _apply_pipeline_config(block, model: PipelineModule) -> None:
+    """The `pipeline` config block. As in DeepSpeed the module is built before the engine sees the config, so
+    `stages`, `partition` and `seed_layers` can only confirm the module's own arguments (a contradiction is an
+    error naming the key); `activation_checkpoint_interval` > 0 overrides the module's, as DeepSpeed's does."""
+    if block.stages != "auto" and block.stages != model.num_stages:
+        raise ConfigError(
+            f"pipeline.stages: {block.stages}, but the PipelineModule was built with {model.num_stages} stages"
+        )
+    if block.partition != "best" and block.partition.lower() != model.partition_method.lower():
+        raise ConfigError(
+            f"pipeline.partition: {block.partition!r}, but the PipelineModule was partitioned with "
+            f"{model.partition_method!r} (pass partition_method= to PipelineModule)"
+        )
+    if block.seed_layers and not model.seed_layers:
+        raise ConfigError(
+            "pipeline.seed_layers: true, but the PipelineModule was built with seed_layers=False"
+        )
+    if block.activation_checkpoint_interval > 0:
+        model.set_checkpoint_interval(block.activation_checkpoint_interval)
+
+
 class _BatchState:
     """Per-batch buffers of the schedule executor, keyed by micro-batch."""
 
@@ -60,6 +81,7 @@ class PipelineEngine(ShardspeedEngine):
             raise ValueError(
                 "initialize(mpu=...) cannot be combined with a PipelineModule; its topology is used"
             )
+        _apply_pipeline_config(config.pipeline, model)
         kwargs["mpu"] = model.mpu()
         super().__init__(model, config, **kwargs)
         self.grid = model.mpu()
