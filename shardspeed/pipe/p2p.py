@@ -22,7 +22,7 @@ __all__ = ["Link", "TensorMeta"]
 
 _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]  # fmt: skip
 
 
