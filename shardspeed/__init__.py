@@ -35,6 +35,8 @@ _LAZY = {
     "tp_model_init": ("shardspeed.placeholders", "tp_model_init"),
     "monitor": ("shardspeed.monitor", None),
     "profiling": ("shardspeed.profiling", None),
+    "pipe": ("shardspeed.pipe", None),
+    "PipelineEngine": ("shardspeed.pipe.engine", "PipelineEngine"),
     "zero": ("shardspeed.zero", None),
 }
 

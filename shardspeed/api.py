@@ -9,6 +9,8 @@ from torch import nn
 from shardspeed.comm.discovery import discover
 from shardspeed.comm.init import init_distributed
 from shardspeed.config import ConfigError, load_config
+from shardspeed.pipe.engine import PipelineEngine
+from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
 
@@ -32,10 +34,12 @@ def _config_source(args, config, config_params):
     return source
 
 
-def _announced_world_size(mpu, distributed_port: int) -> int:
+def _announced_world_size(model, mpu, distributed_port: int) -> int:
     """The data-parallel world size this process will join, before any process group is initialised."""
     import torch.distributed as dist
 
+    if isinstance(model, PipelineModule):  # built after init_distributed, with its topology
+        return model.topology().get_dim("data")
     if dist.is_initialized():
         return mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
     return discover(distributed_port=distributed_port).world_size
@@ -70,15 +74,25 @@ def initialize(
     source = _config_source(args, config, config_params)
     # A bad config is refused before a process group (or anything else) exists: validated at the world
     # size the launcher announces, its optimizer and scheduler blocks tried on a throwaway parameter.
-    cfg = load_config(source, world_size=_announced_world_size(mpu, distributed_port))
+    cfg = load_config(source, world_size=_announced_world_size(model, mpu, distributed_port))
     check_config_blocks(cfg, optimizer, lr_scheduler, model_parameters)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
 
+    engine_class = ShardspeedEngine
+    if isinstance(model, PipelineModule):  # as DeepSpeed: the pipeline engine, over the module's topology
+        engine_class = PipelineEngine
+        if mpu is not None:
+            raise ValueError(
+                "initialize(mpu=...) cannot be combined with a PipelineModule (it has a topology)"
+            )
+        mpu = model.mpu()
     world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
     if world != cfg.world_size:
         cfg = load_config(source, world_size=world)
-    engine = ShardspeedEngine(
+    if engine_class is not ShardspeedEngine:
+        mpu = None  # the pipeline engine takes the grid from the module
+    engine = engine_class(
         model,
         cfg,
         optimizer=optimizer,

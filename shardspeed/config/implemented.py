@@ -65,6 +65,9 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "comet",
         "flops_profiler",
         "comms_logger",
+        # The pipeline engine reads the whole block; pipe_partitioned/grad_partitioned only matter with a
+        # tensor-parallel axis, where DeepSpeed splits transfers between stages over the tensor ranks.
+        "pipeline",
     }
 )
 

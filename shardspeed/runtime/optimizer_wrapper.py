@@ -15,12 +15,16 @@ class OptimizerWrapper:
     optimizer = None  # the torch optimizer
     scaler = None  # the LossScaler
     clip = 0.0  # gradient_clipping
+    # Combines this wrapper's norm with the rest of the model's when the model is split across ranks that do
+    # not share gradients (pipeline stages): `hook(norm) -> global norm`, called collectively on every rank.
+    global_norm_hook = None
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary. Returns False when fp16 overflow skipped it."""
-        self.overflow, self.grad_norm, multiplier = step_multiplier(
-            self._global_norm(), self.scaler, self.clip
-        )
+        norm = self._global_norm()
+        if self.global_norm_hook is not None:
+            norm = self.global_norm_hook(norm)
+        self.overflow, self.grad_norm, multiplier = step_multiplier(norm, self.scaler, self.clip)
         if self.overflow:
             self.zero_grad()
             return False

@@ -9,6 +9,7 @@ from shardspeed.utils.z3_leaf_module import (
 )
 
 __all__ = [
+    "RepeatingLoader",
     "get_z3_leaf_modules",
     "log_dist",
     "logger",
@@ -16,3 +17,11 @@ __all__ = [
     "unset_z3_leaf_modules",
     "z3_leaf_module",
 ]
+
+
+def __getattr__(name: str):
+    if name == "RepeatingLoader":  # lazily: runtime.data imports torch, which the launcher must not pay for
+        from shardspeed.runtime.data import RepeatingLoader
+
+        return RepeatingLoader
+    raise AttributeError(f"module 'shardspeed.utils' has no attribute {name!r}")

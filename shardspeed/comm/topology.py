@@ -1,0 +1,269 @@
+"""The process topology: one rank grid over every parallel axis, and the process groups cut from it.
+
+`ProcessTopology(axes, dims)` is pure arithmetic (no process groups): ranks are laid out row-major over the
+axes, the last axis varying fastest, as DeepSpeed's topology does, so `PipeDataParallelTopology(2, 2)` puts
+ranks 0,1 on stage 0 and 2,3 on stage 1. `ParallelGrid(topology)` creates, collectively, one process group
+per slice of every axis (the ranks that differ only in that axis's coordinate) and answers the questions the
+engine, the pipeline and a Megatron-style `mpu` ask: "my stage", "my data-parallel group", and so on.
+
+Groups are created once, in a fixed order (axes in declaration order, slices in rank order), on every rank:
+`torch.distributed.new_group` is collective over the whole world, so every rank must call it for every
+slice in the same sequence, including slices it is not a member of. Nothing here is a module global; the
+engine and the parallel parts are handed the grid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch.distributed as dist
+
+__all__ = [
+    "KNOWN_AXES",
+    "ParallelGrid",
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
+    "PipelineParallelGrid",
+    "ProcessTopology",
+]
+
+# Axis names the rest of the library understands. "model" is tensor parallelism (Megatron's name, kept by
+# DeepSpeed); "expert" and "sequence" are reserved for expert and sequence parallelism.
+KNOWN_AXES = ("pipe", "data", "model", "expert", "sequence")
+
+
+class ProcessTopology:
+    """A Cartesian grid of ranks: `axes` names, `dims` degrees; rank = row-major index (last axis fastest)."""
+
+    def __init__(self, axes: list[str], dims: list[int]):
+        axes, dims = list(axes), [int(d) for d in dims]
+        if len(axes) != len(dims):
+            raise ValueError(f"ProcessTopology: {len(axes)} axes {axes} but {len(dims)} dims {dims}")
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"ProcessTopology: axis names must be distinct, got {axes}")
+        bad = [f"{a}={d}" for a, d in zip(axes, dims) if d < 1]
+        if bad:
+            raise ValueError(f"ProcessTopology: every degree must be >= 1, got {', '.join(bad)}")
+        self.axes = axes
+        self.dims = dims
+        # strides[i]: how far apart in rank two neighbours along axis i are
+        self._strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+
+    def world_size(self) -> int:
+        return math.prod(self.dims)
+
+    def get_axis_names(self) -> list[str]:
+        return list(self.axes)
+
+    def get_dim(self, axis: str) -> int:
+        """Degree of `axis`; 0 when the topology has no such axis (as DeepSpeed)."""
+        return self.dims[self.axes.index(axis)] if axis in self.axes else 0
+
+    def get_rank(self, **coords: int) -> int:
+        """The rank at the given coordinates; every axis must be given."""
+        if set(coords) != set(self.axes):
+            raise ValueError(f"get_rank needs exactly the axes {self.axes}, got {sorted(coords)}")
+        rank = 0
+        for axis, dim, stride in zip(self.axes, self.dims, self._strides):
+            c = coords[axis]
+            if not 0 <= c < dim:
+                raise ValueError(f"coordinate {axis}={c} is outside 0..{dim - 1}")
+            rank += c * stride
+        return rank
+
+    def get_coord(self, rank: int) -> dict[str, int]:
+        """Coordinates of `rank` as {axis: index}."""
+        if not 0 <= rank < self.world_size():
+            raise ValueError(f"rank {rank} is outside the topology's world of {self.world_size()}")
+        return {
+            axis: (rank // stride) % dim for axis, dim, stride in zip(self.axes, self.dims, self._strides)
+        }
+
+    def get_rank_repr(
+        self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-"
+    ):
+        """E.g. "model_01" for checkpoint file names; the omitted axes are left out."""
+        coord = self.get_coord(rank)
+        return outer_sep.join(
+            f"{axis}{inner_sep}{coord[axis]:02d}" for axis in self.axes if axis not in omit_axes
+        )
+
+    def get_axis_comm_lists(self, axis: str) -> list[list[int]]:
+        """Every slice along `axis`: the rank lists that differ only in `axis`, ordered by their first rank."""
+        if axis not in self.axes:
+            return []
+        others = [a for a in self.axes if a != axis]
+        lists = []
+        for fixed in itertools.product(*(range(self.get_dim(a)) for a in others)):
+            coords = dict(zip(others, fixed))
+            lists.append([self.get_rank(**coords, **{axis: i}) for i in range(self.get_dim(axis))])
+        return sorted(lists)
+
+    def filter_match(self, **filters: int) -> list[int]:
+        """Ranks whose coordinates match every given {axis: index}."""
+        return [
+            r for r in range(self.world_size()) if all(self.get_coord(r)[a] == i for a, i in filters.items())
+        ]
+
+    def get_axis_list(self, axis: str, idx: int) -> list[int]:
+        """Ranks whose coordinate along `axis` is `idx`."""
+        return self.filter_match(**{axis: idx}) if axis in self.axes else []
+
+    def __str__(self) -> str:
+        return "ProcessTopology(" + ", ".join(f"{a}={d}" for a, d in zip(self.axes, self.dims)) + ")"
+
+    __repr__ = __str__
+
+
+class PipeDataParallelTopology(ProcessTopology):
+    """Pipeline stages x data-parallel replicas (data varies fastest: a stage's replicas are neighbours)."""
+
+    def __init__(self, num_pp: int, num_dp: int):
+        super().__init__(axes=["pipe", "data"], dims=[num_pp, num_dp])
+
+
+class PipeModelDataParallelTopology(ProcessTopology):
+    """3D: pipeline x data x tensor ("model") parallelism; tensor-parallel peers are neighbours."""
+
+    def __init__(self, num_pp: int, num_mp: int, num_dp: int):
+        super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
+class ParallelGrid:
+    """Process groups for every axis of `topology`, and this rank's place in them.
+
+    Collective: every rank of the world must construct it, in the same order relative to other group
+    creation. Also the Megatron `mpu` protocol (`get_data_parallel_group`, `get_model_parallel_rank`, ...),
+    so the engine can take it wherever it takes an `mpu`.
+    """
+
+    def __init__(self, topology: ProcessTopology | None = None, process_group=None):
+        del process_group  # DeepSpeed's argument; groups are always cut from the world
+        world = dist.get_world_size()
+        if topology is None:
+            topology = PipeDataParallelTopology(1, world)
+        if topology.world_size() != world:
+            degrees = " x ".join(f"{a}={d}" for a, d in zip(topology.axes, topology.dims))
+            raise ValueError(
+                f"topology degrees {degrees} = {topology.world_size()} ranks do not match the world size {world}"
+            )
+        self._topo = topology
+        self.global_rank = dist.get_rank()
+        self.world_size = world
+        self._coord = topology.get_coord(self.global_rank)
+        self._groups: dict[str, object] = {}
+        self._group_ranks: dict[str, list[int]] = {}
+        for axis in topology.axes:  # fixed order on every rank: axes as declared, slices by first rank
+            for ranks in topology.get_axis_comm_lists(axis):
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    self._groups[axis], self._group_ranks[axis] = group, ranks
+        # DeepSpeed's "model parallel" group is every rank of one data-parallel replica (pipe x tensor): the
+        # ranks that together hold one copy of the model, over which norms and overflow flags are combined.
+        for ranks in self._replica_rank_lists():
+            group = dist.new_group(ranks=ranks)
+            if self.global_rank in ranks:
+                self._groups["replica"], self._group_ranks["replica"] = group, ranks
+
+    def _replica_rank_lists(self) -> list[list[int]]:
+        if "data" not in self._topo.axes:
+            return [list(range(self.world_size))]
+        return [self._topo.get_axis_list("data", d) for d in range(self._topo.get_dim("data"))]
+
+    # -- the topology and this rank's coordinates ------------------------------------------------------------
+
+    @property
+    def topology(self) -> ProcessTopology:
+        return self._topo
+
+    def _axis_rank(self, axis: str) -> int:
+        return self._coord.get(axis, 0)
+
+    def _axis_size(self, axis: str) -> int:
+        return max(1, self._topo.get_dim(axis))
+
+    def _axis_group(self, axis: str):
+        if axis not in self._groups:
+            raise ValueError(f"the topology {self._topo} has no {axis!r} axis, so it has no {axis} group")
+        return self._groups[axis]
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def axis_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's slice along `axis` (itself alone when the axis is absent)."""
+        return list(self._group_ranks.get(axis, [self.global_rank]))
+
+    # -- pipeline ---------------------------------------------------------------------------------------------
+
+    def get_stage_id(self) -> int:
+        return self._axis_rank("pipe")
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self._axis_rank("pipe")
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self._axis_size("pipe")
+
+    def get_pipe_parallel_group(self):
+        return self._axis_group("pipe")
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+
+    def is_first_stage(self) -> bool:
+        return self.get_stage_id() == 0
+
+    def is_last_stage(self) -> bool:
+        return self.get_stage_id() == self.get_pipe_parallel_world_size() - 1
+
+    def stage_to_global(self, stage_id: int, **coords: int) -> int:
+        """Global rank of `stage_id` at this rank's other coordinates (overridden by `coords`)."""
+        target = dict(self._coord, pipe=stage_id, **coords)
+        return self._topo.get_rank(**target)
+
+    # -- data -------------------------------------------------------------------------------------------------
+
+    def get_data_parallel_id(self) -> int:
+        return self._axis_rank("data")
+
+    def get_data_parallel_rank(self) -> int:
+        return self._axis_rank("data")
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._axis_size("data")
+
+    def get_data_parallel_group(self):
+        return self._axis_group("data")
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.axis_ranks("data")
+
+    # -- tensor ("slice") parallelism, and DeepSpeed's model-parallel group (one whole replica) ---------------
+
+    def get_slice_parallel_rank(self) -> int:
+        return self._axis_rank("model")
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self._axis_size("model")
+
+    def get_slice_parallel_group(self):
+        return self._axis_group("model")
+
+    get_tensor_model_parallel_rank = get_slice_parallel_rank
+    get_tensor_model_parallel_world_size = get_slice_parallel_world_size
+    get_tensor_model_parallel_group = get_slice_parallel_group
+
+    def get_model_parallel_rank(self) -> int:
+        """Rank within this data-parallel replica (pipe x tensor), as DeepSpeed's grid and Megatron's mpu."""
+        return self._group_ranks["replica"].index(self.global_rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return len(self._group_ranks["replica"])
+
+    def get_model_parallel_group(self):
+        return self._groups["replica"]
+
+
+PipelineParallelGrid = ParallelGrid  # DeepSpeed's name

@@ -1,0 +1,393 @@
+"""`PipelineEngine`: what `initialize(model=PipelineModule(...))` returns; trains with `train_batch()`.
+
+The engine is the ordinary `ShardspeedEngine` (precision, optimizer wrapper, LR schedule, counters, data
+loader) built over this stage's layers and this stage's data-parallel group, plus a schedule executor:
+`train_batch` runs a `TrainSchedule` instruction list (pipe/schedule.py), exchanging activations and
+gradients with the neighbouring stages (pipe/p2p.py).
+
+Gradients accumulate locally over all micro-batches (the wrapper's reduction is switched off during the
+schedule). After the last backward, tied weights' gradients are summed over the stages holding them, then
+the wrapper averages every gradient over the stage's data-parallel replicas — one reduction per batch, as
+DeepSpeed. The optimizer step combines the stages' gradient norms into the global norm (tied copies counted
+once), so clipping sees the whole model and an fp16 overflow on any stage skips the step on all of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from shardspeed.config import ConfigError
+from shardspeed.pipe import schedule as sched
+from shardspeed.pipe.module import PipelineModule
+from shardspeed.pipe.p2p import Link
+from shardspeed.runtime.engine import ShardspeedEngine
+from shardspeed.utils.logging import log_dist
+
+__all__ = ["PipelineEngine", "PipelineError"]
+
+
+class PipelineError(Exception):
+    """Misuse of the pipeline engine (DeepSpeed's name)."""
+
+
+def _apply_pipeline_config(block, model: PipelineModule) -> None:
+    """The `pipeline` config block. As in DeepSpeed the module is built before the engine sees the config, so
+    `stages`, `partition` and `seed_layers` can only confirm the module's own arguments (a contradiction is an
+    error naming the key); `activation_checkpoint_interval` > 0 overrides the module's, as DeepSpeed's does."""
+    if block.stages != "auto" and block.stages != model.num_stages:
+        raise ConfigError(
+            f"pipeline.stages: {block.stages}, but the PipelineModule was built with {model.num_stages} stages"
+        )
+    if block.partition != "best" and block.partition.lower() != model.partition_method.lower():
+        raise ConfigError(
+            f"pipeline.partition: {block.partition!r}, but the PipelineModule was partitioned with "
+            f"{model.partition_method!r} (pass partition_method= to PipelineModule)"
+        )
+    if block.seed_layers and not model.seed_layers:
+        raise ConfigError(
+            "pipeline.seed_layers: true, but the PipelineModule was built with seed_layers=False"
+        )
+    if block.activation_checkpoint_interval > 0:
+        model.set_checkpoint_interval(block.activation_checkpoint_interval)
+
+
+class _BatchState:
+    """Per-batch buffers of the schedule executor, keyed by micro-batch."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.inputs: dict = {}
+        self.labels: dict = {}
+        self.outputs: dict = {}
+        self.out_grads: dict = {}
+        self.losses: list[torch.Tensor] = []
+        self.last_output = None
+        self.compute_loss = True
+
+
+class PipelineEngine(ShardspeedEngine):
+    """DeepSpeed's `PipelineEngine`: `train_batch`, `eval_batch`; direct forward/backward/step raise."""
+
+    def __init__(self, model: PipelineModule, config, **kwargs):
+        if config.zero_optimization.stage >= 2:
+            raise ConfigError(
+                f"zero_optimization.stage: {config.zero_optimization.stage} is incompatible with pipeline "
+                "parallelism (a stage's gradients are reduced once per batch); use stage 0 or 1"
+            )
+        if kwargs.get("mpu") is not None:
+            raise ValueError(
+                "initialize(mpu=...) cannot be combined with a PipelineModule; its topology is used"
+            )
+        _apply_pipeline_config(config.pipeline, model)
+        kwargs["mpu"] = model.mpu()
+        super().__init__(model, config, **kwargs)
+        self.grid = model.mpu()
+        self.num_stages = model.num_stages
+        self.stage_id = model.stage_id
+        self.tied = model.tied
+        prev_rank = self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None
+        next_rank = self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None
+        self.prev = Link(prev_rank, self.device) if prev_rank is not None else None
+        self.next = Link(next_rank, self.device) if next_rank is not None else None
+        self.pipe_group = self.grid.get_pipe_parallel_group()
+        self.data_iterator = None
+        self.batch_fn = None
+        if self.training_dataloader is not None:
+            self.set_dataloader(self.training_dataloader)
+        if self.optimizer is not None:
+            self.optimizer.global_norm_hook = self._pipeline_norm
+            reducer = getattr(self.optimizer, "reducer", None) or self.optimizer.grads
+            self._grad_reducer = reducer
+            self._grad_view = {p: v for b in reducer.buckets for p, v in zip(b.params, b.views)}
+        log_dist(f"pipeline engine: stages={self.num_stages} partition={model.parts} micro_batches="
+                 f"{self.gradient_accumulation_steps()}")  # fmt: skip
+
+    # -- DeepSpeed's surface -----------------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def backward(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def step(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator) -> None:
+        """Only the first stage (inputs) and the last (labels) read data, as in DeepSpeed."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iterator
+
+    def set_dataloader(self, loader) -> None:
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iter(loader)
+
+    def set_batch_fn(self, fn) -> None:
+        """`fn(batch) -> batch` applied to every micro-batch read."""
+        self.batch_fn = fn
+
+    # -- training and evaluation -------------------------------------------------------------------------------
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """Run one global batch (gradient_accumulation_steps micro-batches) and the optimizer step.
+
+        Returns the mean loss of the batch (over micro-batches and data-parallel replicas) on every stage.
+        """
+        if not torch.is_grad_enabled():
+            raise PipelineError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if self.optimizer is None:
+            raise PipelineError("train_batch() needs an optimizer: pass one to initialize() or configure one")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        micro_batches = self.gradient_accumulation_steps()
+        state = _BatchState(self._read_batches(micro_batches, "train_batch"))
+        self.timers.start("train_batch")
+        self._execute(sched.TrainSchedule(micro_batches, self.num_stages, self.stage_id), state)
+        loss = self._aggregate_loss(state.losses)
+        self.timers.stop("train_batch")
+        self._window_loss = loss
+        self._report_progress()
+        return loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
+                   bcast_loss=True, num_micro_batches=None):  # fmt: skip
+        """Forward `num_micro_batches` (default gradient_accumulation_steps) micro-batches; no gradients.
+
+        Returns the mean loss (`reduce_output="avg"`, on every stage with `bcast_loss`) or, with
+        `reduce_output=None`, the last stage's list of per-micro-batch losses; with `return_logits`, also the
+        last stage's final micro-batch output (None on other stages).
+        """
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        was_training = self.module.training
+        self.module.eval()
+        previous, self.data_iterator = self.data_iterator, None
+        self.set_dataiterator(data_iter)
+        micro_batches = num_micro_batches or self.gradient_accumulation_steps()
+        try:
+            state = _BatchState(self._read_batches(micro_batches, "eval_batch"))
+            state.compute_loss = compute_loss
+            self._execute(sched.InferenceSchedule(micro_batches, self.num_stages, self.stage_id), state)
+        finally:
+            self.data_iterator = previous
+            self.module.train(was_training)
+        if reduce_output == "avg":
+            result = self._aggregate_loss(state.losses, broadcast=bcast_loss)
+        else:
+            result = state.losses if self.is_last_stage() else None
+        if return_logits:
+            return result, state.last_output if self.is_last_stage() else None
+        return result
+
+    # -- data --------------------------------------------------------------------------------------------------
+
+    def _read_batches(self, count: int, caller: str) -> list:
+        """Read this batch's micro-batches up front (first and last stage); every stage then learns together
+        whether the data ran out, and raises the same error instead of waiting for activations forever."""
+        batches, no_iterator, missing = [], 0, 0
+        if self.is_first_stage() or self.is_last_stage():
+            if self.data_iterator is None:
+                no_iterator = 1
+            else:
+                for _ in range(count):
+                    try:
+                        batch = next(self.data_iterator)
+                    except StopIteration:
+                        break
+                    batches.append(self.batch_fn(batch) if self.batch_fn else batch)
+                missing = count - len(batches)
+        # [no iterator anywhere, micro-batches missing anywhere]
+        problems = torch.tensor([no_iterator, missing], device=self.device)
+        if self.num_stages > 1:
+            dist.all_reduce(problems, op=dist.ReduceOp.MAX, group=self.pipe_group)
+        if problems[0].item():
+            raise PipelineError(
+                f"{caller}() has no data: pass data_iter, call set_dataiterator()/set_dataloader(), or give "
+                "training_data to initialize()"
+            )
+        if problems[1].item():
+            raise PipelineError(
+                f"{caller}(): the data iterator ran dry after {count - int(problems[1].item())} of {count} "
+                "micro-batches (wrap the loader in shardspeed.utils.RepeatingLoader to cycle it)"
+            )
+        return batches
+
+    def _to_device(self, obj, cast: bool):
+        if torch.is_tensor(obj):
+            obj = obj.to(self.device)
+            return obj.to(self.plan.param_dtype) if cast and obj.is_floating_point() else obj
+        if isinstance(obj, tuple | list):
+            return tuple(self._to_device(o, cast) for o in obj)
+        return obj
+
+    # -- the schedule executor ----------------------------------------------------------------------------------
+
+    def _execute(self, schedule: sched.PipeSchedule, state: _BatchState) -> None:
+        for link in (self.prev, self.next):
+            if link is not None:
+                link.reset()
+        handlers = {
+            sched.LoadMicroBatch: self._exec_load,
+            sched.ForwardPass: self._exec_forward,
+            sched.BackwardPass: self._exec_backward,
+            sched.SendActivation: lambda st, mb: self.next.send_activations(st.outputs[mb]),
+            sched.RecvActivation: self._exec_recv_activation,
+            sched.SendGrad: lambda st, mb: self.prev.send_grads(st.inputs.pop(mb)),
+            sched.RecvGrad: self._exec_recv_grad,
+        }
+        for instruction in schedule.steps():
+            if isinstance(instruction, sched.MicroBatchInstruction):
+                handlers[type(instruction)](state, instruction.micro_batch)
+            elif isinstance(instruction, sched.ReduceTiedGrads):
+                self.tied.reduce_grads(self._grad_view.__getitem__)
+            elif isinstance(instruction, sched.ReduceGrads):
+                self.optimizer.backward_begin(True)  # launch every bucket's data-parallel average now
+                self.optimizer.backward_end()
+            elif isinstance(instruction, sched.OptimizerStep):
+                self._exec_optimizer_step(schedule.micro_batches)
+        for link in (self.prev, self.next):
+            if link is not None:
+                link.flush()
+
+    def _exec_load(self, state: _BatchState, mb: int) -> None:
+        batch = state.batches[mb]
+        if not isinstance(batch, tuple | list) or len(batch) != 2:
+            raise PipelineError(
+                f"a pipeline micro-batch must be (inputs, labels); got {type(batch).__name__}"
+                + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
+            )
+        if self.is_first_stage():
+            state.inputs[mb] = self._to_device(batch[0], cast=self.plan.mixed)
+        if self.is_last_stage():
+            state.labels[mb] = self._to_device(batch[1], cast=False)
+
+    def _exec_recv_activation(self, state: _BatchState, mb: int) -> None:
+        state.inputs[mb] = self.prev.recv_activations()
+
+    def _exec_recv_grad(self, state: _BatchState, mb: int) -> None:
+        state.out_grads[mb] = self.next.recv_grads()
+
+    def _exec_forward(self, state: _BatchState, mb: int) -> None:
+        outputs = self.module(state.inputs[mb])
+        if not self.is_last_stage():
+            state.outputs[mb] = outputs
+            return
+        state.last_output = outputs
+        if state.compute_loss and self.module.loss_fn is not None:
+            loss = self.module.loss_fn(outputs, state.labels.pop(mb))
+        else:
+            loss = outputs
+        state.losses.append(loss.detach())
+        state.outputs[mb] = loss
+        if not torch.is_grad_enabled():  # inference keeps nothing for a backward pass
+            state.outputs.pop(mb)
+            state.inputs.pop(mb, None)
+
+    def _exec_backward(self, state: _BatchState, mb: int) -> None:
+        self.optimizer.backward_begin(False)  # accumulate locally; ReduceGrads averages once per batch
+        outputs = state.outputs.pop(mb)
+        if self.is_last_stage():
+            loss = outputs.float()
+            gas = self.gradient_accumulation_steps()
+            if gas > 1:
+                loss = loss / gas
+            self.optimizer.scaler.scale_loss(loss).backward()
+        else:
+            tensors = outputs if isinstance(outputs, tuple | list) else [outputs]
+            carrying = [t for t in tensors if t.requires_grad and t.is_floating_point()]
+            torch.autograd.backward(carrying, state.out_grads.pop(mb))
+        self.optimizer.backward_end()
+        if self.is_first_stage():
+            state.inputs.pop(mb, None)
+
+    def _exec_optimizer_step(self, micro_batches: int) -> None:
+        self._step_applied = self.optimizer.step()
+        if self._step_applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+            log_dist(
+                f"fp16 overflow: step skipped on every stage, loss scale is now {self.optimizer.loss_scale}"
+            )
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.micro_steps += micro_batches
+        self.throughput.add(self.train_batch_size())
+
+    # -- checkpoints (pipe/checkpoint.py) ----------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False) -> bool:  # fmt: skip
+        from shardspeed.pipe.checkpoint import save_pipeline_checkpoint
+
+        return save_pipeline_checkpoint(
+            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
+        from shardspeed.pipe.checkpoint import load_pipeline_checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
+        return load_pipeline_checkpoint(
+            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+            load_module_only,
+        )  # fmt: skip
+
+    # -- reductions across stages -----------------------------------------------------------------------------
+
+    def _pipeline_norm(self, stage_norm: float) -> float:
+        """Global gradient norm from this stage's (data-parallel-reduced) norm: sum of squares over stages,
+        tied copies counted once. inf/nan anywhere makes it inf/nan everywhere (one overflow decision)."""
+        squares = torch.tensor(
+            [stage_norm**2 - self._duplicate_square()], dtype=torch.float64, device=self.device
+        )
+        if self.num_stages > 1:
+            dist.all_reduce(squares, group=self.pipe_group)
+        total = squares.item()
+        if math.isnan(total):
+            return total
+        return math.sqrt(max(total, 0.0))
+
+    def _duplicate_square(self) -> float:
+        """Squared norm of the averaged gradients of tied copies this stage holds but does not own."""
+        reducer = self._grad_reducer
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.tied.duplicate_params():
+            view = self._grad_view[p]
+            if reducer.sharded:  # ZeRO-1: this rank holds the averaged values of its shard of the bucket only
+                bucket = next(b for b in reducer.buckets if any(v is view for v in b.views))
+                start = view.storage_offset() - bucket.buffer.storage_offset()
+                lo = max(start, reducer.rank * bucket.shard_numel)
+                hi = min(start + view.numel(), (reducer.rank + 1) * bucket.shard_numel)
+                view = bucket.buffer[lo:hi] if hi > lo else bucket.buffer[:0]
+            total += torch.linalg.vector_norm(view.float(), dtype=torch.float32).double() ** 2
+        if reducer.sharded and self.tied.duplicate_params():
+            dist.all_reduce(total, group=self.dp_group)
+        return total.item()
+
+    def _aggregate_loss(self, losses: list[torch.Tensor], broadcast: bool = True) -> torch.Tensor:
+        """Mean over micro-batches and data-parallel replicas, computed on the last stage, sent to all."""
+        if self.is_last_stage():
+            loss = torch.stack([x.float().mean() for x in losses]).mean()
+            if self.world_size > 1:
+                dist.all_reduce(loss, group=self.dp_group)
+                loss /= self.world_size
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if broadcast and self.num_stages > 1:
+            dist.broadcast(loss, src=self.grid.stage_to_global(self.num_stages - 1), group=self.pipe_group)
+        return loss

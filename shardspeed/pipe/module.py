@@ -1,0 +1,309 @@
+"""`PipelineModule`, `LayerSpec`, `TiedLayerSpec`: a model written as a list of layers, split into stages.
+
+A `PipelineModule` is DeepSpeed's: the forward pass is `x = layer(x)` over `layers`; each rank builds only the
+layers of its stage (specs are built lazily, so a model too large for one device never exists whole). The
+built layers are registered under their *global* index, so parameter names (`"3.weight"`) do not depend on
+the number of stages, and tied layers live under `tied_modules.<key>` on every stage that uses them.
+
+Tied layers (`TiedLayerSpec`, e.g. an embedding reused as the output projection) share one module per stage;
+at construction the copies are made equal (broadcast from the lowest stage holding the key), and the engine
+sums their gradients over the stages holding the tie (`TiedWeights`), so the copies stay equal.
+
+Activation checkpointing: with `activation_checkpoint_interval=k`, every run of k layers is recomputed in
+backward instead of keeping its activations (`torch.utils.checkpoint`, non-reentrant).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from shardspeed.comm.topology import ParallelGrid, PipeDataParallelTopology, ProcessTopology
+from shardspeed.pipe.partition import partition_layers
+from shardspeed.utils.logging import log_dist
+
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "TiedWeights"]
+
+
+class LayerSpec:
+    """A layer to build later, on the stage that owns it: `LayerSpec(nn.Linear, 4, 8, bias=False)`."""
+
+    def __init__(self, typename, *module_args, **module_kwargs):
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise TypeError(f"LayerSpec needs an nn.Module subclass, got {typename!r}")
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def build(self, log: bool = False) -> nn.Module:
+        if log:
+            log_dist(f"building {self!r}")
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+    def __repr__(self) -> str:
+        args = [repr(a) for a in self.module_args] + [f"{k}={v!r}" for k, v in self.module_kwargs.items()]
+        return f"{self.typename.__name__}({', '.join(args)})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose `tied_weight_attr` parameters are shared by every layer spec with the same `key`.
+
+    `forward_fn(module, x)`, when given, replaces `module(x)` (e.g. an embedding used as the output head).
+    """
+
+    def __init__(
+        self, key, typename, *module_args, forward_fn=None, tied_weight_attr="weight", **module_kwargs
+    ):
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = (
+            [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+        )
+
+
+class PipelineModule(nn.Module):
+    """Layers split into pipeline stages; this rank holds and runs only its stage's layers."""
+
+    def __init__(
+        self,
+        layers,
+        num_stages: int | None = None,
+        topology: ProcessTopology | None = None,
+        loss_fn=None,
+        seed_layers: bool = False,
+        seed_fn=None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func=None,
+        checkpointable_layers=None,
+        dynamic_shape: bool = False,
+    ):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "PipelineModule needs torch.distributed: call shardspeed.init_distributed() first"
+            )
+        if num_stages is None and topology is None:
+            raise ValueError("PipelineModule needs num_stages or topology")
+        world = dist.get_world_size()
+        if topology is None:
+            if world % num_stages != 0:
+                raise ValueError(
+                    f"PipelineModule: num_stages={num_stages} does not divide the world size {world} "
+                    "(each stage needs the same number of data-parallel replicas)"
+                )
+            topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+        elif num_stages is not None and topology.get_dim("pipe") != num_stages:
+            raise ValueError(f"num_stages={num_stages} but the topology has pipe={topology.get_dim('pipe')}")
+        self._topo = topology
+        self._grid = ParallelGrid(topology)
+        self.num_stages = topology.get_dim("pipe")
+        self.stage_id = self._grid.get_stage_id()
+        self.loss_fn = loss_fn
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+        self.activation_checkpoint_func = activation_checkpoint_func or functools.partial(
+            torch_checkpoint, use_reentrant=False
+        )
+        self.checkpointable_layers = checkpointable_layers
+        self.dynamic_shape = dynamic_shape
+        self._layer_specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
+        self.partition_method = partition_method
+        self.parts = partition_layers(
+            partition_method, self.num_stages, [_layer_name(s) for s in self._layer_specs], self._param_counts
+        )
+        log_dist(f"pipeline partition ({partition_method}): stage bounds {self.parts}")
+        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.forward_funcs: list = []
+        self._build()
+        self.tied = TiedWeights(self)
+        self.tied.sync_weights()
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    def _param_counts(self) -> list[int]:
+        counts = []
+        for spec in self._layer_specs:
+            layer = spec.build() if isinstance(spec, LayerSpec) else spec
+            counts.append(
+                sum(p.numel() for p in layer.parameters() if p.requires_grad)
+                if isinstance(layer, nn.Module)
+                else 0
+            )
+        return counts
+
+    def _build(self) -> None:
+        for index in range(self._local_start, self._local_stop):
+            spec = self._layer_specs[index]
+            if self.seed_layers:
+                (self.seed_fn or torch.manual_seed)(self.base_seed + index)
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                    self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+                module = self.tied_modules[spec.key]
+                self.forward_funcs.append(
+                    functools.partial(spec.forward_fn, module) if spec.forward_fn else module
+                )
+            elif isinstance(spec, LayerSpec):
+                module = spec.build()
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+            elif isinstance(spec, nn.Module):
+                self.add_module(str(index), spec)
+                self.forward_funcs.append(spec)
+            elif callable(spec):
+                self.forward_funcs.append(spec)
+            else:
+                raise TypeError(f"PipelineModule layer {index} is not a module, spec or callable: {spec!r}")
+
+    def tied_keys_by_stage(self) -> dict[str, list[int]]:
+        """Every tied key of the whole model and the stages that hold it (the same answer on every rank)."""
+        stages: dict[str, list[int]] = {}
+        for stage in range(self.num_stages):
+            for spec in self._layer_specs[self.parts[stage] : self.parts[stage + 1]]:
+                if isinstance(spec, TiedLayerSpec) and stage not in stages.setdefault(spec.key, []):
+                    stages[spec.key].append(stage)
+        return dict(sorted(stages.items()))
+
+    # -- forward ----------------------------------------------------------------------------------------------
+
+    def forward(self, inputs):
+        interval = self.activation_checkpoint_interval
+        funcs = self.forward_funcs
+        if interval == 0 or not torch.is_grad_enabled():
+            return _run_layers(funcs, inputs)
+        x = inputs
+        for start in range(0, len(funcs), interval):
+            chunk = funcs[start : start + interval]
+            if self._is_checkpointable(chunk):
+                args = x if isinstance(x, tuple) else (x,)
+                x = self.activation_checkpoint_func(_ChunkRunner(chunk), *args)
+            else:
+                x = _run_layers(chunk, x)
+        return x
+
+    def _is_checkpointable(self, funcs) -> bool:
+        modules = [f for f in funcs if isinstance(f, nn.Module)]
+        if self.checkpointable_layers is not None:
+            return any(type(m).__name__ in self.checkpointable_layers for m in modules)
+        return any(any(True for _ in m.parameters()) for m in modules)
+
+    # -- DeepSpeed's accessors -------------------------------------------------------------------------------
+
+    def topology(self) -> ProcessTopology:
+        return self._topo
+
+    def mpu(self) -> ParallelGrid:
+        return self._grid
+
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+    def partitions(self) -> list[int]:
+        return list(self.parts)
+
+    def stage_owner(self, layer_idx: int) -> int:
+        if not 0 <= layer_idx < len(self._layer_specs):
+            raise ValueError(f"layer {layer_idx} is outside 0..{len(self._layer_specs) - 1}")
+        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+
+    def local_layers(self) -> list[tuple[int, nn.Module | None]]:
+        """(global index, module) for this stage's layers; tied layers give their shared module."""
+        out = []
+        for index in range(self._local_start, self._local_stop):
+            spec = self._layer_specs[index]
+            if isinstance(spec, TiedLayerSpec):
+                out.append((index, self.tied_modules[spec.key]))
+            elif isinstance(spec, LayerSpec | nn.Module):
+                out.append((index, getattr(self, str(index))))
+        return out
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        self.activation_checkpoint_interval = int(interval)
+
+
+class _ChunkRunner:
+    """Runs a few layers; what the activation checkpoint recomputes (unpacks single inputs as DeepSpeed)."""
+
+    def __init__(self, funcs):
+        self.funcs = funcs
+
+    def __call__(self, *inputs):
+        return _run_layers(self.funcs, inputs[0] if len(inputs) == 1 else inputs)
+
+
+def _run_layers(funcs, x):
+    for f in funcs:
+        x = f(x)
+    return x
+
+
+def _layer_name(spec) -> str:
+    if isinstance(spec, LayerSpec):
+        return spec.typename.__name__
+    return (
+        type(spec).__name__ if isinstance(spec, nn.Module) else getattr(spec, "__name__", type(spec).__name__)
+    )
+
+
+def _resolve_attr(module: nn.Module, dotted: str) -> nn.Parameter:
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+class TiedWeights:
+    """The tied parameters of this stage and, per tie, the group of stages (same other coordinates) holding it.
+
+    Groups are created on every rank for every tie and every replica, in a fixed order (new_group is
+    collective). The stage with the lowest id owns the tie: its copy is the one broadcast at start, and the
+    one counted in the global gradient norm.
+    """
+
+    def __init__(self, module: PipelineModule):
+        grid, topo = module.mpu(), module.topology()
+        self.entries: list[tuple[str, list[nn.Parameter], object, int, bool]] = []
+        others = [a for a in topo.get_axis_names() if a != "pipe"]
+        my_coord = topo.get_coord(grid.get_global_rank())
+        for key, stages in module.tied_keys_by_stage().items():
+            if len(stages) < 2:
+                continue
+            for rank in range(topo.world_size()):  # one group per replica slice, found by its stage-0 peer
+                coord = topo.get_coord(rank)
+                if coord["pipe"] != 0:
+                    continue
+                ranks = [topo.get_rank(**{a: coord[a] for a in others}, pipe=s) for s in stages]
+                group = dist.new_group(ranks=ranks)
+                mine = all(coord[a] == my_coord[a] for a in others) and module.stage_id in stages
+                if mine:
+                    tied_module = module.tied_modules[key]
+                    params = [_resolve_attr(tied_module, attr) for attr in module.tied_weight_attrs[key]]
+                    self.entries.append((key, params, group, ranks[0], module.stage_id == stages[0]))
+
+    def sync_weights(self) -> None:
+        """Make every stage's copy equal to the owner's."""
+        for _, params, group, owner, _ in self.entries:
+            for p in params:
+                dist.broadcast(p.data, src=owner, group=group)
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, params, _, _, _ in self.entries for p in params]
+
+    def duplicate_params(self) -> list[nn.Parameter]:
+        """Tied parameters held here but owned by an earlier stage: left out of the global norm."""
+        return [p for _, params, _, _, owner in self.entries if not owner for p in params]
+
+    def reduce_grads(self, grad_of) -> None:
+        """Sum each tied parameter's gradient over the stages holding it (`grad_of(p)`: its accumulator)."""
+        for _, params, group, _, _ in self.entries:
+            for p in params:
+                dist.all_reduce(grad_of(p), group=group)
