@@ -142,22 +142,37 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
     return state
 
 
-def save_checkpoint(
-    engine, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool
-) -> bool:
+def begin_save(engine, save_dir, tag, client_state: dict) -> tuple[Path, str, Path]:
+    """Check the tag and client state, and make an empty staging folder (collective). Returns the save
+    folder, the tag and the staging folder every rank writes its files into."""
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name")
     files.check_loadable(client_state, "client_state")
     _validate_tag(engine, tag)
-    rank = dist.get_rank()
     staging = files.staging_dir(save_dir, tag)
-    if rank == 0:
+    if dist.get_rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
         staging.mkdir()
     dist.barrier()
+    return save_dir, tag, staging
+
+
+def finish_save(save_dir: Path, tag: str, staging: Path, save_latest: bool) -> None:
+    """Once every rank has written its files: rank 0 publishes the tag (collective)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _publish(save_dir, tag, staging, save_latest)
+    dist.barrier()
+
+
+def save_checkpoint(
+    engine, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool
+) -> bool:
+    save_dir, tag, staging = begin_save(engine, save_dir, tag, client_state)
+    rank = dist.get_rank()
     if engine.dp_rank == 0:
         files.save_file(
             _model_states(engine, client_state, exclude_frozen), staging / files.model_states_name()
@@ -167,10 +182,7 @@ def save_checkpoint(
                      "ds_version": __version__}  # fmt: skip
         files.save_file(partition, staging / files.zero_optim_states_name(engine.dp_rank))
     files.save_file(_rng_state(), staging / files.rng_states_name(rank))
-    dist.barrier()
-    if rank == 0:
-        _publish(save_dir, tag, staging, save_latest)
-    dist.barrier()
+    finish_save(save_dir, tag, staging, save_latest)
     log_dist(f"saved checkpoint {save_dir / tag}")
     return True
 

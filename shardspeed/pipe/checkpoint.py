@@ -19,7 +19,6 @@ each saved stage's files are presented through a `CheckpointReader`, and the opt
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -32,7 +31,8 @@ from shardspeed.checkpoint.engine_io import (
     _model_states,
     _rng_state,
     _set_rng_state,
-    _validate_tag,
+    begin_save,
+    finish_save,
 )
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.universal import CheckpointReader
@@ -55,19 +55,8 @@ def _layer_prefixes(module) -> dict[int, str]:
 
 
 def save_pipeline_checkpoint(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> bool:
-    save_dir = Path(save_dir)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if "/" in tag or tag.startswith("."):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name")
-    files.check_loadable(client_state, "client_state")
-    _validate_tag(engine, tag)
+    save_dir, tag, staging = begin_save(engine, save_dir, tag, client_state)
     rank, stage, module = dist.get_rank(), engine.stage_id, engine.module
-    staging = files.staging_dir(save_dir, tag)
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
-        staging.mkdir()
-    dist.barrier()
     rank_repr = module.topology().get_rank_repr(rank)
     if engine.dp_rank == 0:
         for index, layer in module.local_layers():
@@ -87,20 +76,7 @@ def save_pipeline_checkpoint(engine, save_dir, tag, client_state, save_latest, e
         partition = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config}
         files.save_file(partition, staging / files.zero_optim_states_name(engine.dp_rank, stage))
     files.save_file(_rng_state(), staging / files.rng_states_name(rank))
-    dist.barrier()
-    if rank == 0:
-        final = save_dir / tag
-        if final.exists():
-            old = save_dir / f".{tag}.replaced"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            staging.rename(final)
-            shutil.rmtree(old)
-        else:
-            staging.rename(final)
-        if save_latest:
-            files.atomic_write_text(save_dir / files.LATEST, tag)
-    dist.barrier()
+    finish_save(save_dir, tag, staging, save_latest)
     log_dist(f"saved pipeline checkpoint {save_dir / tag}")
     return True
 
