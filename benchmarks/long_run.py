@@ -98,7 +98,8 @@ def verdict(ranks: list[dict], warmup: int, max_growth: float) -> dict:
         rows.append({"rank": r["rank"], "rss_after_warmup_mib": warm, "rss_end_mib": end,
                      "growth_mib": round(end - warm, 2), "spread_after_warmup_mib": round(spread, 2),
                      "first_loss": r["losses"][0]["loss"], "last_loss": r["losses"][-1]["loss"],
-                     "nonfinite_steps": r["nonfinite_steps"], "seconds": round(r["seconds"], 1)})  # fmt: skip
+                     "nonfinite_steps": r["nonfinite_steps"], "seconds": round(r["seconds"], 1),
+                     "rss_series_mib": [[s["step"], s["rss_mib"]] for s in r["samples"]]})  # fmt: skip
     ok = all(row["growth_mib"] <= max_growth and row["nonfinite_steps"] == 0 for row in rows)
     return {"ok": ok, "ranks": rows}
 
