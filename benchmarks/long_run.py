@@ -95,8 +95,11 @@ def verdict(ranks: list[dict], warmup: int, max_growth: float) -> dict:
         after = [s for s in r["samples"] if s["step"] >= warmup]
         warm, end = after[0]["rss_mib"], after[-1]["rss_mib"]
         spread = max(s["rss_mib"] for s in after) - min(s["rss_mib"] for s in after)
+        second_half = [s for s in after if s["step"] >= r["steps"] // 2]
+        late = second_half[-1]["rss_mib"] - second_half[0]["rss_mib"]
         rows.append({"rank": r["rank"], "rss_after_warmup_mib": warm, "rss_end_mib": end,
                      "growth_mib": round(end - warm, 2), "spread_after_warmup_mib": round(spread, 2),
+                     "growth_second_half_mib": round(late, 2),
                      "first_loss": r["losses"][0]["loss"], "last_loss": r["losses"][-1]["loss"],
                      "nonfinite_steps": r["nonfinite_steps"], "seconds": round(r["seconds"], 1),
                      "rss_series_mib": [[s["step"], s["rss_mib"]] for s in r["samples"]]})  # fmt: skip
@@ -106,16 +109,18 @@ def verdict(ranks: list[dict], warmup: int, max_growth: float) -> dict:
 
 def write_report(out: Path, args: argparse.Namespace, results: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "long_run.json").write_text(json.dumps(results, indent=1))
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+    fr = os.environ.get("TORCH_FR_BUFFER_SIZE")
     lines = [
         "# Long-run stability",
         "",
-        f"`python benchmarks/long_run.py --steps {args.steps} --every {args.every} --warmup {args.warmup}` "
+        f"`{'TORCH_FR_BUFFER_SIZE=' + fr + ' ' if fr else ''}python benchmarks/long_run.py --stages "
+        f"{' '.join(results['stages'])} --steps {args.steps} --every {args.every} --warmup {args.warmup}` "
         f"({args.ranks} ranks on CPU/Gloo, an MLP of 8.4k parameters, AdamW + WarmupLR + clipping). RSS per rank "
         f"after warm-up (step {args.warmup}) and at the last step; a stage passes when no rank grows by more "
         f"than {args.max_growth_mib} MiB and every loss is finite.",
         "",
-        "| stage | rank | RSS after warm-up (MiB) | RSS at end (MiB) | growth (MiB) | spread after warm-up (MiB) "
+        "| stage | rank | RSS after warm-up (MiB) | RSS at end (MiB) | growth (MiB) | growth in the second half (MiB) "
         "| loss first -> last | non-finite steps | seconds | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -123,12 +128,12 @@ def write_report(out: Path, args: argparse.Namespace, results: dict) -> None:
         for row in result["ranks"]:
             lines.append(
                 f"| {stage} | {row['rank']} | {row['rss_after_warmup_mib']:.1f} | {row['rss_end_mib']:.1f} | "
-                f"{row['growth_mib']:+.1f} | {row['spread_after_warmup_mib']:.1f} | "
+                f"{row['growth_mib']:+.1f} | {row['growth_second_half_mib']:+.1f} | "
                 f"{row['first_loss']:.4f} -> {row['last_loss']:.4f} | {row['nonfinite_steps']} | "
                 f"{row['seconds']} | {'pass' if result['ok'] else 'FAIL'} |"
             )
     lines += ["", f"Run {results['date']} UTC, torch {results['torch']}, Python {results['python']}."]
-    (out / "long_run.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-growth-mib", type=float, default=8.0)
     p.add_argument("--stage-timeout", type=float, default=1200.0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default="long_run", help="report file name (without .md/.json)")
     p.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
