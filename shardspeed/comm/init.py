@@ -83,7 +83,9 @@ def init_distributed(
 
 
 def _leave_at_exit() -> None:
-    failure = getattr(sys, "last_value", None)  # set when an uncaught exception ends the script
+    # sys.last_value is set when an uncaught exception ended the script (and after any error in a REPL,
+    # hence the sys.ps1 check: an interactive session leaves normally).
+    failure = None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)
     if failure is not None and not isinstance(failure, KeyboardInterrupt) and _peers_waiting():
         _exit_failing_rank()
     # Also when the script destroyed the group itself: its worker threads live on until finalisation.
