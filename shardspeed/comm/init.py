@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import os
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from shardspeed import accelerator
 from shardspeed.comm.discovery import discover
+from shardspeed.comm.teardown import quiesce_gloo_workers
 from shardspeed.utils.logging import logger
 
 
@@ -73,11 +77,39 @@ def init_distributed(
         world_size=world_size,
         timeout=timeout or default_timeout(),
     )
-    # We created the group, so we tear it down: left to interpreter shutdown, torch 2.13's Gloo group
-    # is sometimes destroyed after the threads it needs, and the process aborts after a finished run.
-    atexit.register(_destroy_at_exit)
+    # We created the group, so we tear it down while the interpreter is still whole; left to finalisation,
+    # a Gloo worker thread can abort the finished process (see [Note: Gloo teardown abort] in teardown.py).
+    atexit.register(_leave_at_exit)
 
 
-def _destroy_at_exit() -> None:
+def _leave_at_exit() -> None:
+    # sys.last_value is set when an uncaught exception ended the script (and after any error in a REPL,
+    # hence the sys.ps1 check: an interactive session leaves normally).
+    failure = None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)
+    if failure is not None and not isinstance(failure, KeyboardInterrupt) and _peers_waiting():
+        _exit_failing_rank()
+    # Also when the script destroyed the group itself: its worker threads live on until finalisation.
+    quiesce_gloo_workers()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _peers_waiting() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _exit_failing_rank() -> None:
+    """Leave at once after an uncaught exception: the other ranks are blocked until this process is gone.
+
+    Interpreter finalisation with torch loaded takes seconds on a busy machine (measured here: 3-7 s of
+    garbage collection), and the launcher can only stop the job once this process has exited. The
+    traceback is already printed; streams and logging are flushed, then the process exits with the
+    interpreter's own code for an uncaught exception (1). Finalisers and atexit handlers registered
+    before `init_distributed` do not run.
+    """
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)

@@ -19,6 +19,20 @@ from shardspeed.launcher import LauncherError
 Resources = dict[str, list[int]]
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)\s*(#.*)?$")
+# Host names and addresses: DNS names, IPv4 and IPv6 literals. They end up in ssh/pdsh/mpirun command
+# lines and in the remote shell command, so anything that a shell would read as syntax is refused here.
+_HOST = re.compile(r"^[A-Za-z0-9_.:-]+$")
+
+
+def check_host_name(host: str, where: str) -> None:
+    """Raise LauncherError naming `where` unless `host` is a plain host name or address."""
+    # A host name starting with '-' would be read as an option by ssh, pdsh and mpirun.
+    if host.startswith("-"):
+        raise LauncherError(f"{where}: a host name cannot start with '-'")
+    if not _HOST.match(host):
+        raise LauncherError(
+            f"{where}: host name {host!r} may contain only letters, digits and '.', '_', ':', '-'"
+        )
 
 
 def parse_hostfile_text(text: str, source: str = "hostfile") -> dict[str, int]:
@@ -35,9 +49,7 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> dict[str, int]:
         host, slots = match["host"], match["slots"]
         if not slots.isdigit() or int(slots) < 1:
             raise LauncherError(f"{where}: slots must be a whole number >= 1, got {slots!r}")
-        # A host name starting with '-' would be read as an option by ssh, pdsh and mpirun.
-        if host.startswith("-"):
-            raise LauncherError(f"{where}: a host name cannot start with '-'")
+        check_host_name(host, where)
         if host in hosts:
             raise LauncherError(f"{where}: host {host!r} is listed twice (hosts must be unique)")
         hosts[host] = int(slots)

@@ -22,6 +22,7 @@ from shardspeed.launcher import LauncherError, log
 from shardspeed.launcher.env import exported_env, read_env_files
 from shardspeed.launcher.hostfile import (
     Resources,
+    check_host_name,
     encode_world_info,
     read_hostfile,
     select_resources,
@@ -104,6 +105,8 @@ def check_values(args: argparse.Namespace) -> None:
     for flag, value in (("--num_nodes", args.num_nodes), ("--num_gpus", args.num_gpus)):
         if value == 0 or value < -1:
             raise LauncherError(f"{flag} must be a positive number, got {value}")
+    if args.master_addr:
+        check_host_name(args.master_addr, "--master_addr")
     for flag, port in (("--master_port", args.master_port), ("--ssh_port", args.ssh_port)):
         if port is not None and not 0 < port < 65536:
             raise LauncherError(f"{flag} must be between 1 and 65535, got {port}")

@@ -9,7 +9,6 @@ every rank saw (env, argv, which ssh address it came in on) as JSON to --out.
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -56,18 +55,13 @@ def main() -> None:
         },
         "ssh_server": (os.environ.get("SSH_CONNECTION") or "- - local").split()[2],
     }
+    # all_gather_object needs NumPy, which a clean install does not have.
     everyone = [json.loads(text) for text in all_gather_strings(json.dumps(seen), torch.device("cpu"))]
     if rank == 0:
         params = [p.detach().flatten().tolist() for p in model.parameters()]
         with open(args.out, "w") as handle:
             json.dump({"world_size": world, "params": params, "ranks": everyone}, handle)
-    # Leave together, then skip interpreter teardown: with torch 2.13 on CPU, about one run in five of
-    # 4 Gloo ranks aborts at exit ("terminate called without an active exception", code 134) after all
-    # work is done, with or without destroy_process_group (also with a single-node launch). That is
-    # torch's teardown, not the launcher under test, so the test job sidesteps it.
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    dist.barrier()  # leave together; init_distributed's exit hook takes care of Gloo's threads
 
 
 if __name__ == "__main__":
