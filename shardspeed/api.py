@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from torch import nn
+from torch import Tensor, nn
 
 from shardspeed.comm.discovery import discover
 from shardspeed.comm.init import init_distributed
@@ -72,6 +72,9 @@ def initialize(
             "initialize(mesh_param=...) (sequence/data-parallel meshes) is not supported yet"
         )
     source = _config_source(args, config, config_params)
+    if model_parameters is not None and not isinstance(model_parameters, (list, tuple, dict, Tensor)):
+        # `model.parameters()` is a generator: the config check below and the optimizer both read it
+        model_parameters = list(model_parameters)
     # A bad config is refused before a process group (or anything else) exists: validated at the world
     # size the launcher announces, its optimizer and scheduler blocks tried on a throwaway parameter.
     cfg = load_config(source, world_size=_announced_world_size(model, mpu, distributed_port))

@@ -138,6 +138,23 @@ def test_initialize_refuses_bad_arguments():
     assert "optimizer" in out["bad_optimizer_object"]
 
 
+def _generator_parameters(_: int) -> list[int]:
+    import shardspeed
+
+    model = TinyGPT()
+    # `model.parameters()` is a generator, as most DeepSpeed scripts pass it: checking the config's optimizer
+    # block before the process group exists must not use it up
+    _, optimizer, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=base_config()
+    )
+    return [len(g["params"]) for g in optimizer.param_groups]
+
+
+def test_model_parameters_may_be_a_generator():
+    (counts,) = run_ranks(_generator_parameters, 1, 0)
+    assert sum(counts) == len(list(TinyGPT().parameters()))
+
+
 def test_deepspeed_config_error_alias():
     import shardspeed
 
