@@ -6,6 +6,7 @@ here without it. TEARDOWN_DESTROY=1 also destroys the process group in the scrip
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -22,4 +23,8 @@ for _ in range(3):
     del works, parts
 if os.environ.get("TEARDOWN_DESTROY") == "1":
     dist.destroy_process_group()
-print(f"teardown rank {dist.get_rank() if dist.is_initialized() else os.environ['RANK']} done", flush=True)
+rank = dist.get_rank() if dist.is_initialized() else os.environ["RANK"]
+# One write with its newline: ranks share the launcher's pipe, and print() under PYTHONUNBUFFERED writes the
+# text and the newline separately, so lines of different ranks could run together.
+sys.stdout.write(f"teardown rank {rank} done\n")
+sys.stdout.flush()

@@ -37,12 +37,18 @@ def die_if(where: str) -> None:
 
 
 def record_start() -> None:
-    with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as handle:
+    # Written under a temporary name and renamed: a rank the launcher stops mid-write must not leave a
+    # half-written record for the orphan check to read.
+    path = os.path.join(OUT, f"rank{RANK}.json")
+    with open(f"{path}.tmp", "w") as handle:
         json.dump({"pid": os.getpid(), "pgid": os.getpgid(0)}, handle)
+    os.replace(f"{path}.tmp", path)
     print(f"fault rank {RANK} started", flush=True)
     if DYING and WHERE == "before_init":  # let every rank record its pid first, for the orphan check
         deadline = time.monotonic() + 60
-        while len(os.listdir(OUT)) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and len(
+            [name for name in os.listdir(OUT) if name.endswith(".json")]
+        ) < int(os.environ["WORLD_SIZE"]):
             time.sleep(0.01)
 
 
