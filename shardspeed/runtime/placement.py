@@ -45,13 +45,6 @@ def place_optimizer_state(state: dict, tensor: torch.Tensor, group: dict, copy: 
     return placed
 
 
-def _expected_state(key: str, value: torch.Tensor, tensor: torch.Tensor, group: dict):
-    if key == "step":
-        fused = group.get("fused") or group.get("capturable")
-        return (tensor.device, torch.float32) if fused else (torch.device("cpu"), value.dtype)
-    return tensor.device, tensor.dtype if value.is_floating_point() else value.dtype
-
-
 def placement_problems(engine) -> list[str]:
     """Every tensor of `engine` that is not where the table above says; empty when all is in place."""
     problems = []
@@ -73,10 +66,11 @@ def placement_problems(engine) -> list[str]:
             for key, value in torch_optimizer.state.get(tensor, {}).items():
                 if not torch.is_tensor(value):
                     continue
-                expected = _expected_state(key, value, tensor, group)
-                if (value.device, value.dtype) != expected:
+                # the rule that places loaded state is the rule the live state must already satisfy
+                placed = place_state_value(key, value, tensor, group)
+                if (value.device, value.dtype) != (placed.device, placed.dtype):
                     problems.append(
                         f"{where} state {key!r} is {value.dtype} on {value.device}, expected "
-                        f"{expected[1]} on {expected[0]}"
+                        f"{placed.dtype} on {placed.device}"
                     )
     return problems
