@@ -1,4 +1,5 @@
-"""Pipeline checkpoints: per-layer files, bit-exact resume, and a 2 x 2 checkpoint loaded as 4 x 1 and 1 x 4."""
+"""Pipeline checkpoints: per-layer files, bit-exact resume, and a 2 x 2 checkpoint loaded as 4 x 1, 1 x 4 and
+as 2 stages x 2 virtual stages x 2 replicas (the interleaved schedule)."""
 
 import os
 
@@ -21,12 +22,17 @@ CONFIG = {
 }
 
 
-def _engine(stages: int, zero_stage: int = 0):
+def _engine(stages: int, zero_stage: int = 0, virtual: int = 1):
     import shardspeed
     from shardspeed.pipe import PipelineModule
 
     model = PipelineModule(
-        layer_specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED
+        layer_specs(),
+        num_stages=stages,
+        loss_fn=loss_fn,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        virtual_stages=virtual,
     )
     config = dict(CONFIG, zero_optimization={"stage": zero_stage})
     engine, *_ = shardspeed.initialize(model=model, config=config)
@@ -70,13 +76,15 @@ def checkpoint_case(save_dir: str, zero_stage: int) -> dict:
     _train(engine, range(2, 4))
     out["resumed"] = _params(engine)
     engine.destroy()
-    # Another pipeline / data degree: 4 stages x 1 replica, and 1 stage x 4 replicas (plain data parallel).
-    for stages in (4, 1):
-        engine = _engine(stages, zero_stage)
+    # Another pipeline / data degree: 4 stages x 1 replica, 1 stage x 4 replicas (plain data parallel), and
+    # 2 stages x 2 replicas with 2 virtual stages per rank.
+    for stages, virtual in ((4, 1), (1, 1), (2, 2)):
+        engine = _engine(stages, zero_stage, virtual)
         engine.load_checkpoint(save_dir, tag="step2")
-        out[f"gas_{stages}"] = engine.gradient_accumulation_steps()
+        name = f"{stages}" if virtual == 1 else f"{stages}v{virtual}"
+        out[f"gas_{name}"] = engine.gradient_accumulation_steps()
         _train(engine, range(2, 4))
-        out[f"stages_{stages}"] = _params(engine)
+        out[f"stages_{name}"] = _params(engine)
         engine.destroy()
     return out
 
@@ -102,7 +110,7 @@ def _check(results):
             assert torch.equal(value, r["resumed"][name]), f"resume is not bit-exact for {name}"
     uninterrupted = _merged(results, "uninterrupted")
     assert results[0]["gas_4"] == 8 and results[0]["gas_1"] == 2
-    for stages in (4, 1):
+    for stages in ("4", "1", "2v2"):
         other = _merged(results, f"stages_{stages}")
         assert set(other) == set(uninterrupted)
         for name, value in other.items():

@@ -65,6 +65,27 @@ def misuse() -> dict:
     out["stages_key"] = _error(
         lambda: shardspeed.initialize(model=model, config=dict(CONFIG, pipeline={"stages": 2}))
     )
+    out["virtual_parts"] = _error(
+        lambda: shardspeed.initialize(model=model, config=dict(CONFIG, pipeline={"virtual_stages": 2}))
+    )
+    eight = PipelineModule(layer_specs(blocks=6), num_stages=4, loss_fn=loss_fn)
+    out["virtual_gas"] = _error(
+        lambda: shardspeed.initialize(
+            model=eight, config=dict(CONFIG, gradient_accumulation_steps=2, pipeline={"virtual_stages": 2})
+        )
+    )
+    eight.set_virtual_stages(1)
+    out["virtual_params"] = _error(
+        lambda: shardspeed.initialize(
+            model=eight,
+            model_parameters=list(model.parameters())[:2],
+            config=dict(CONFIG, pipeline={"virtual_stages": 2}),
+        )
+    )
+    one_stage = PipelineModule(layer_specs(), num_stages=1, loss_fn=loss_fn)
+    out["virtual_one_stage"] = _error(
+        lambda: shardspeed.initialize(model=one_stage, config=dict(CONFIG, pipeline={"virtual_stages": 2}))
+    )
     engine, *_ = shardspeed.initialize(
         model=model, config=dict(CONFIG, pipeline={"activation_checkpoint_interval": 1})
     )
@@ -129,6 +150,20 @@ def test_misuse_errors_name_the_problem(pipeline_results):
         assert out["zero2"].startswith("ConfigError") and "zero_optimization.stage: 2" in out["zero2"]
         assert out["stages_key"] == (
             "ConfigError: pipeline.stages: 2, but the PipelineModule was built with 4 stages"
+        )
+        assert out["virtual_parts"] == (
+            "PartitionError: PipelineModule: 4 stages x 2 virtual stages = 8 parts but only 6 layers; "
+            "every part needs a layer"
+        )
+        assert out["virtual_gas"] == (
+            "ConfigError: pipeline.virtual_stages: 2 (interleaved schedule) needs gradient_accumulation_steps (2) "
+            "to be a multiple of the pipeline stages (4)"
+        )
+        assert out["virtual_params"].startswith(
+            "ConfigError: pipeline.virtual_stages rebuilt the PipelineModule"
+        )
+        assert out["virtual_one_stage"] == (
+            "ConfigError: pipeline.virtual_stages: 2 needs at least 2 pipeline stages (the module has 1)"
         )
         assert out["interval"] == 1  # the config's activation_checkpoint_interval overrides the module's 0
         assert out["forward"] == "PipelineError: Only train_batch() is accessible in pipeline mode."

@@ -15,9 +15,11 @@ OPTIMIZERS = {
 }
 
 
-def case(stages, optimizer, clip=0.0, partition="parameters", zero=0, interval=0, bf16=False) -> dict:
+def case(stages, optimizer, clip=0.0, partition="parameters", zero=0, interval=0, bf16=False, virtual=1,
+         by_config=False, blocks=4) -> dict:  # fmt: skip
+    """One training run; `virtual` chunks per rank, given to the module or (`by_config`) in the config."""
     return dict(stages=stages, optimizer=optimizer, clip=clip, partition=partition, zero=zero, interval=interval,
-                bf16=bf16)  # fmt: skip
+                bf16=bf16, virtual=virtual, by_config=by_config, blocks=blocks)  # fmt: skip
 
 
 def config(c: dict) -> dict:
@@ -29,6 +31,7 @@ def config(c: dict) -> dict:
         "zero_optimization": {"stage": c["zero"]},
         "bf16": {"enabled": c["bf16"]},
         "steps_per_print": 1000,
+        "pipeline": {"virtual_stages": c.get("virtual", 1) if c.get("by_config") else "auto"},
     }
 
 
@@ -43,10 +46,12 @@ def pipeline_run(cases):
     results = []
     for c in cases:
         model = PipelineModule(
-            layer_specs(), num_stages=c["stages"], loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED,
-            partition_method=c["partition"], activation_checkpoint_interval=c["interval"],
+            layer_specs(c["blocks"]), num_stages=c["stages"], loss_fn=loss_fn, seed_layers=True,
+            base_seed=BASE_SEED, partition_method=c["partition"], activation_checkpoint_interval=c["interval"],
+            virtual_stages=1 if c["by_config"] else c["virtual"],
         )  # fmt: skip
-        engine, *_ = shardspeed.initialize(model=model, config=config(c))
+        engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config(c))
+        assert model.virtual_stages == c["virtual"] and len(model.chunk_ranges) == c["virtual"]
         dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
         inputs, labels = global_batches(STEPS, dp * MICRO * GAS)
         data = replica_iterator(inputs, labels, range(STEPS), dp_rank, dp, MICRO, GAS)
@@ -76,7 +81,7 @@ def check_case(per_rank, c):
     stages = {r["stage"] for r in per_rank}
     assert stages == set(range(c["stages"]))
     inputs, labels = global_batches(STEPS, len(per_rank) // len(stages) * MICRO * GAS)
-    reference = reference_train(layer_specs(), config(c), inputs, labels, STEPS)
+    reference = reference_train(layer_specs(c["blocks"]), config(c), inputs, labels, STEPS)
     # Every stage reports the same loss, global norm and eval loss.
     assert len({tuple(r["losses"]) for r in per_rank}) == 1
     assert len({tuple(r["norms"]) for r in per_rank}) == 1

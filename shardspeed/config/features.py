@@ -162,6 +162,9 @@ class PipelineConfig:
     """Use a different seed per layer. Default false."""
     activation_checkpoint_interval: NonNegInt = 0
     """Checkpoint activations every this many layers; 0 = off. Default 0."""
+    virtual_stages: PositiveInt | Literal["auto"] = "auto"
+    """Model chunks per rank, run with the interleaved 1F1B schedule (beyond DeepSpeed); "auto" takes the
+    PipelineModule's `virtual_stages` (default 1: plain 1F1B). Default "auto"."""
     pipe_partitioned: bool = True
     """Partition activations sent between stages over model-parallel ranks. Default true."""
     grad_partitioned: bool = True

@@ -3,7 +3,9 @@
 The engine is the ordinary `ShardspeedEngine` (precision, optimizer wrapper, LR schedule, counters, data
 loader) built over this stage's layers and this stage's data-parallel group, plus a schedule executor:
 `train_batch` runs a `TrainSchedule` instruction list (pipe/schedule.py), exchanging activations and
-gradients with the neighbouring stages (pipe/p2p.py).
+gradients with the neighbouring stages (pipe/p2p.py). With `pipeline.virtual_stages` v > 1 (or a module built
+with `virtual_stages=v`) each rank holds v model chunks and runs the interleaved schedule; buffers are keyed by
+(micro-batch, chunk) and there is one link per part boundary this rank touches.
 
 Gradients accumulate locally over all micro-batches (the wrapper's reduction is switched off during the
 schedule). After the last backward, tied weights' gradients are summed over the stages holding them, then
@@ -52,10 +54,29 @@ def _apply_pipeline_config(block, model: PipelineModule) -> None:
         )
     if block.activation_checkpoint_interval > 0:
         model.set_checkpoint_interval(block.activation_checkpoint_interval)
+    virtual = model.virtual_stages if block.virtual_stages == "auto" else block.virtual_stages
+    if virtual > 1 and model.num_stages == 1:
+        raise ConfigError(
+            f"pipeline.virtual_stages: {virtual} needs at least 2 pipeline stages (the module has 1)"
+        )
+    model.set_virtual_stages(virtual)  # rebuilds this rank's layers when the count changes
+
+
+def _rebuilt_parameters(given, before: list, model: PipelineModule) -> list:
+    """`initialize(model_parameters=...)` listed the module's parameters before `pipeline.virtual_stages`
+    rebuilt its layers: take the rebuilt ones. Anything else cannot be mapped to the new layers."""
+    given = list(given)
+    if len(given) == len(before) and all(a is b for a, b in zip(given, before)):
+        return list(model.parameters())
+    raise ConfigError(
+        "pipeline.virtual_stages rebuilt the PipelineModule's layers, so the model_parameters given to "
+        "initialize() no longer belong to it; pass virtual_stages= to PipelineModule instead, or omit "
+        "model_parameters"
+    )
 
 
 class _BatchState:
-    """Per-batch buffers of the schedule executor, keyed by micro-batch."""
+    """Per-batch buffers of the schedule executor, keyed by (micro-batch, chunk)."""
 
     def __init__(self, batches):
         self.batches = batches
@@ -81,17 +102,24 @@ class PipelineEngine(ShardspeedEngine):
             raise ValueError(
                 "initialize(mpu=...) cannot be combined with a PipelineModule; its topology is used"
             )
+        before = list(model.parameters())
         _apply_pipeline_config(config.pipeline, model)
+        rebuilt = [id(p) for p in before] != [id(p) for p in model.parameters()]
+        if rebuilt and kwargs.get("model_parameters") is not None:
+            kwargs["model_parameters"] = _rebuilt_parameters(kwargs["model_parameters"], before, model)
         kwargs["mpu"] = model.mpu()
         super().__init__(model, config, **kwargs)
         self.grid = model.mpu()
         self.num_stages = model.num_stages
         self.stage_id = model.stage_id
         self.tied = model.tied
-        prev_rank = self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None
-        next_rank = self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None
-        self.prev = Link(prev_rank, self.device) if prev_rank is not None else None
-        self.next = Link(next_rank, self.device) if next_rank is not None else None
+        self.chunks = model.virtual_stages
+        if self.chunks > 1 and self.gradient_accumulation_steps() % self.num_stages:
+            raise ConfigError(
+                f"pipeline.virtual_stages: {self.chunks} (interleaved schedule) needs gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps()}) to be a multiple of the pipeline stages ({self.num_stages})"
+            )
+        self.links = self._make_links()
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.data_iterator = None
         self.batch_fn = None
@@ -104,6 +132,27 @@ class PipelineEngine(ShardspeedEngine):
             self._grad_view = {p: v for b in reducer.buckets for p, v in zip(b.params, b.views)}
         log_dist(f"pipeline engine: stages={self.num_stages} partition={model.parts} micro_batches="
                  f"{self.gradient_accumulation_steps()}")  # fmt: skip
+
+    def _make_links(self) -> dict[int, Link]:
+        """One link per part boundary this rank's chunks touch; boundary b lies between parts b - 1 and b, and
+        part q lives on stage q % stages."""
+        links, parts = {}, self.num_stages * self.chunks
+        for chunk in range(self.chunks):
+            part = chunk * self.num_stages + self.stage_id
+            for boundary, peer_part in ((part, part - 1), (part + 1, part + 1)):
+                if 0 < boundary < parts:
+                    peer = self.grid.stage_to_global(peer_part % self.num_stages)
+                    links[boundary] = Link(peer, self.device, tag=boundary)
+        return links
+
+    def _input_link(self, chunk: int) -> Link:
+        return self.links[chunk * self.num_stages + self.stage_id]
+
+    def _output_link(self, chunk: int) -> Link:
+        return self.links[chunk * self.num_stages + self.stage_id + 1]
+
+    def _is_last_part(self, chunk: int) -> bool:
+        return self.is_last_stage() and chunk == self.chunks - 1
 
     # -- DeepSpeed's surface -----------------------------------------------------------------------------------
 
@@ -152,7 +201,13 @@ class PipelineEngine(ShardspeedEngine):
         micro_batches = self.gradient_accumulation_steps()
         state = _BatchState(self._read_batches(micro_batches, "train_batch"))
         self.timers.start("train_batch")
-        self._execute(sched.TrainSchedule(micro_batches, self.num_stages, self.stage_id), state)
+        if self.chunks == 1:
+            schedule = sched.TrainSchedule(micro_batches, self.num_stages, self.stage_id)
+        else:
+            schedule = sched.InterleavedTrainSchedule(
+                micro_batches, self.num_stages, self.stage_id, self.chunks
+            )
+        self._execute(schedule, state)
         loss = self._aggregate_loss(state.losses)
         self.timers.stop("train_batch")
         self._window_loss = loss
@@ -178,7 +233,8 @@ class PipelineEngine(ShardspeedEngine):
         try:
             state = _BatchState(self._read_batches(micro_batches, "eval_batch"))
             state.compute_loss = compute_loss
-            self._execute(sched.InferenceSchedule(micro_batches, self.num_stages, self.stage_id), state)
+            schedule = sched.InferenceSchedule(micro_batches, self.num_stages, self.stage_id, self.chunks)
+            self._execute(schedule, state)
         finally:
             self.data_iterator = previous
             self.module.train(was_training)
@@ -234,21 +290,20 @@ class PipelineEngine(ShardspeedEngine):
     # -- the schedule executor ----------------------------------------------------------------------------------
 
     def _execute(self, schedule: sched.PipeSchedule, state: _BatchState) -> None:
-        for link in (self.prev, self.next):
-            if link is not None:
-                link.reset()
+        for link in self.links.values():
+            link.reset()
         handlers = {
             sched.LoadMicroBatch: self._exec_load,
             sched.ForwardPass: self._exec_forward,
             sched.BackwardPass: self._exec_backward,
-            sched.SendActivation: lambda st, mb: self.next.send_activations(st.outputs[mb]),
+            sched.SendActivation: lambda st, key: self._output_link(key[1]).send_activations(st.outputs[key]),
             sched.RecvActivation: self._exec_recv_activation,
-            sched.SendGrad: lambda st, mb: self.prev.send_grads(st.inputs.pop(mb)),
+            sched.SendGrad: lambda st, key: self._input_link(key[1]).send_grads(st.inputs.pop(key)),
             sched.RecvGrad: self._exec_recv_grad,
         }
         for instruction in schedule.steps():
             if isinstance(instruction, sched.MicroBatchInstruction):
-                handlers[type(instruction)](state, instruction.micro_batch)
+                handlers[type(instruction)](state, (instruction.micro_batch, instruction.chunk))
             elif isinstance(instruction, sched.ReduceTiedGrads):
                 self.tied.reduce_grads(self._grad_view.__getitem__)
             elif isinstance(instruction, sched.ReduceGrads):
@@ -256,48 +311,50 @@ class PipelineEngine(ShardspeedEngine):
                 self.optimizer.backward_end()
             elif isinstance(instruction, sched.OptimizerStep):
                 self._exec_optimizer_step(schedule.micro_batches)
-        for link in (self.prev, self.next):
-            if link is not None:
-                link.flush()
+        for link in self.links.values():
+            link.flush()
 
-    def _exec_load(self, state: _BatchState, mb: int) -> None:
+    def _exec_load(self, state: _BatchState, key: tuple[int, int]) -> None:
+        mb, chunk = key
         batch = state.batches[mb]
         if not isinstance(batch, tuple | list) or len(batch) != 2:
             raise PipelineError(
                 f"a pipeline micro-batch must be (inputs, labels); got {type(batch).__name__}"
                 + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
             )
-        if self.is_first_stage():
-            state.inputs[mb] = self._to_device(batch[0], cast=self.plan.mixed)
-        if self.is_last_stage():
-            state.labels[mb] = self._to_device(batch[1], cast=False)
+        if self.is_first_stage() and chunk == 0:
+            state.inputs[key] = self._to_device(batch[0], cast=self.plan.mixed)
+        if self._is_last_part(chunk):
+            state.labels[key] = self._to_device(batch[1], cast=False)
 
-    def _exec_recv_activation(self, state: _BatchState, mb: int) -> None:
-        state.inputs[mb] = self.prev.recv_activations()
+    def _exec_recv_activation(self, state: _BatchState, key: tuple[int, int]) -> None:
+        state.inputs[key] = self._input_link(key[1]).recv_activations()
 
-    def _exec_recv_grad(self, state: _BatchState, mb: int) -> None:
-        state.out_grads[mb] = self.next.recv_grads()
+    def _exec_recv_grad(self, state: _BatchState, key: tuple[int, int]) -> None:
+        state.out_grads[key] = self._output_link(key[1]).recv_grads()
 
-    def _exec_forward(self, state: _BatchState, mb: int) -> None:
-        outputs = self.module(state.inputs[mb])
-        if not self.is_last_stage():
-            state.outputs[mb] = outputs
+    def _exec_forward(self, state: _BatchState, key: tuple[int, int]) -> None:
+        outputs = self.module(state.inputs[key], chunk=key[1])
+        if not self._is_last_part(key[1]):
+            state.outputs[key] = outputs
+            if not torch.is_grad_enabled():  # inference: nothing is kept for a backward pass
+                state.inputs.pop(key, None)
             return
         state.last_output = outputs
         if state.compute_loss and self.module.loss_fn is not None:
-            loss = self.module.loss_fn(outputs, state.labels.pop(mb))
+            loss = self.module.loss_fn(outputs, state.labels.pop(key))
         else:
             loss = outputs
         state.losses.append(loss.detach())
-        state.outputs[mb] = loss
+        state.outputs[key] = loss
         if not torch.is_grad_enabled():  # inference keeps nothing for a backward pass
-            state.outputs.pop(mb)
-            state.inputs.pop(mb, None)
+            state.outputs.pop(key)
+            state.inputs.pop(key, None)
 
-    def _exec_backward(self, state: _BatchState, mb: int) -> None:
+    def _exec_backward(self, state: _BatchState, key: tuple[int, int]) -> None:
         self.optimizer.backward_begin(False)  # accumulate locally; ReduceGrads averages once per batch
-        outputs = state.outputs.pop(mb)
-        if self.is_last_stage():
+        outputs = state.outputs.pop(key)
+        if self._is_last_part(key[1]):
             loss = outputs.float()
             gas = self.gradient_accumulation_steps()
             if gas > 1:
@@ -306,10 +363,10 @@ class PipelineEngine(ShardspeedEngine):
         else:
             tensors = outputs if isinstance(outputs, tuple | list) else [outputs]
             carrying = [t for t in tensors if t.requires_grad and t.is_floating_point()]
-            torch.autograd.backward(carrying, state.out_grads.pop(mb))
+            torch.autograd.backward(carrying, state.out_grads.pop(key))
         self.optimizer.backward_end()
-        if self.is_first_stage():
-            state.inputs.pop(mb, None)
+        if self.is_first_stage() and key[1] == 0:
+            state.inputs.pop(key, None)
 
     def _exec_optimizer_step(self, micro_batches: int) -> None:
         self._step_applied = self.optimizer.step()

@@ -11,6 +11,11 @@ sums their gradients over the stages holding the tie (`TiedWeights`), so the cop
 
 Activation checkpointing: with `activation_checkpoint_interval=k`, every run of k layers is recomputed in
 backward instead of keeping its activations (`torch.utils.checkpoint`, non-reentrant).
+
+Virtual stages (beyond DeepSpeed; Megatron's interleaved pipeline): with `virtual_stages=v` the layers are split
+into `num_stages * v` parts and rank r holds v "chunks", parts r, r + p, r + 2p, ... (p = num_stages). A
+micro-batch then visits every rank v times, and the interleaved 1F1B schedule (pipe/schedule.py) shrinks the
+bubble by about v, at the price of v times more stage-to-stage transfers. `forward(x, chunk=c)` runs chunk c.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardspeed.comm.topology import ParallelGrid, PipeDataParallelTopology, ProcessTopology
-from shardspeed.pipe.partition import partition_layers
+from shardspeed.pipe.partition import PartitionError, partition_layers
 from shardspeed.utils.logging import log_dist
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "TiedWeights"]
@@ -83,6 +88,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_func=None,
         checkpointable_layers=None,
         dynamic_shape: bool = False,
+        virtual_stages: int = 1,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -115,19 +121,55 @@ class PipelineModule(nn.Module):
         self.dynamic_shape = dynamic_shape
         self._layer_specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
         self.partition_method = partition_method
+        self._partition(int(virtual_stages))
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    def _partition(self, virtual_stages: int) -> None:
+        """Split the layers into `num_stages * virtual_stages` parts and build this rank's chunks."""
+        self._check_virtual_stages(virtual_stages)
+        self.virtual_stages = virtual_stages
         self.parts = partition_layers(
-            partition_method, self.num_stages, [_layer_name(s) for s in self._layer_specs], self._param_counts
+            self.partition_method,
+            self.num_stages * virtual_stages,
+            [_layer_name(s) for s in self._layer_specs],
+            self._param_counts,
         )
-        log_dist(f"pipeline partition ({partition_method}): stage bounds {self.parts}")
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        what = "stage" if virtual_stages == 1 else f"part (rank = part % {self.num_stages})"
+        log_dist(f"pipeline partition ({self.partition_method}): {what} bounds {self.parts}")
+        # chunk c of this rank is part c * num_stages + stage_id: layers [start, stop)
+        self.chunk_ranges = [
+            (
+                self.parts[c * self.num_stages + self.stage_id],
+                self.parts[c * self.num_stages + self.stage_id + 1],
+            )
+            for c in range(virtual_stages)
+        ]
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.forward_funcs: list = []
-        self._build()
+        self.chunk_funcs: list[list] = [self._build(start, stop) for start, stop in self.chunk_ranges]
+        self.forward_funcs = [f for funcs in self.chunk_funcs for f in funcs]
         self.tied = TiedWeights(self)
         self.tied.sync_weights()
 
-    # -- construction ---------------------------------------------------------------------------------------
+    def _check_virtual_stages(self, virtual_stages: int) -> None:
+        if virtual_stages < 1:
+            raise ValueError(f"PipelineModule: virtual_stages must be >= 1, got {virtual_stages}")
+        parts = self.num_stages * virtual_stages
+        if virtual_stages > 1 and parts > len(self._layer_specs):
+            raise PartitionError(
+                f"PipelineModule: {self.num_stages} stages x {virtual_stages} virtual stages = {parts} parts but "
+                f"only {len(self._layer_specs)} layers; every part needs a layer"
+            )
+
+    def set_virtual_stages(self, virtual_stages: int) -> None:
+        """Re-split into `virtual_stages` chunks per rank, rebuilding this rank's layers (collective)."""
+        if virtual_stages == self.virtual_stages:
+            return
+        self._check_virtual_stages(virtual_stages)  # before anything is taken down
+        for name in [n for n, _ in self.named_children() if n.isdigit() or n == "tied_modules"]:
+            delattr(self, name)
+        self._partition(int(virtual_stages))
 
     def _param_counts(self) -> list[int]:
         counts = []
@@ -140,8 +182,10 @@ class PipelineModule(nn.Module):
             )
         return counts
 
-    def _build(self) -> None:
-        for index in range(self._local_start, self._local_stop):
+    def _build(self, start: int, stop: int) -> list:
+        """Build layers [start, stop); returns what the forward calls for each."""
+        funcs = []
+        for index in range(start, stop):
             spec = self._layer_specs[index]
             if self.seed_layers:
                 (self.seed_fn or torch.manual_seed)(self.base_seed + index)
@@ -150,35 +194,35 @@ class PipelineModule(nn.Module):
                     self.tied_modules[spec.key] = spec.build()
                     self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
                 module = self.tied_modules[spec.key]
-                self.forward_funcs.append(
-                    functools.partial(spec.forward_fn, module) if spec.forward_fn else module
-                )
+                funcs.append(functools.partial(spec.forward_fn, module) if spec.forward_fn else module)
             elif isinstance(spec, LayerSpec):
                 module = spec.build()
                 self.add_module(str(index), module)
-                self.forward_funcs.append(module)
+                funcs.append(module)
             elif isinstance(spec, nn.Module):
                 self.add_module(str(index), spec)
-                self.forward_funcs.append(spec)
+                funcs.append(spec)
             elif callable(spec):
-                self.forward_funcs.append(spec)
+                funcs.append(spec)
             else:
                 raise TypeError(f"PipelineModule layer {index} is not a module, spec or callable: {spec!r}")
+        return funcs
 
     def tied_keys_by_stage(self) -> dict[str, list[int]]:
         """Every tied key of the whole model and the stages that hold it (the same answer on every rank)."""
         stages: dict[str, list[int]] = {}
-        for stage in range(self.num_stages):
-            for spec in self._layer_specs[self.parts[stage] : self.parts[stage + 1]]:
+        for part in range(len(self.parts) - 1):
+            stage = part % self.num_stages
+            for spec in self._layer_specs[self.parts[part] : self.parts[part + 1]]:
                 if isinstance(spec, TiedLayerSpec) and stage not in stages.setdefault(spec.key, []):
                     stages[spec.key].append(stage)
-        return dict(sorted(stages.items()))
+        return {key: sorted(held) for key, held in sorted(stages.items())}
 
     # -- forward ----------------------------------------------------------------------------------------------
 
-    def forward(self, inputs):
+    def forward(self, inputs, chunk: int = 0):
         interval = self.activation_checkpoint_interval
-        funcs = self.forward_funcs
+        funcs = self.chunk_funcs[chunk]
         if interval == 0 or not torch.is_grad_enabled():
             return _run_layers(funcs, inputs)
         x = inputs
@@ -214,12 +258,13 @@ class PipelineModule(nn.Module):
     def stage_owner(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < len(self._layer_specs):
             raise ValueError(f"layer {layer_idx} is outside 0..{len(self._layer_specs) - 1}")
-        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        part = next(i for i in range(len(self.parts) - 1) if self.parts[i] <= layer_idx < self.parts[i + 1])
+        return part % self.num_stages
 
     def local_layers(self) -> list[tuple[int, nn.Module | None]]:
         """(global index, module) for this stage's layers; tied layers give their shared module."""
         out = []
-        for index in range(self._local_start, self._local_stop):
+        for index in (i for start, stop in self.chunk_ranges for i in range(start, stop)):
             spec = self._layer_specs[index]
             if isinstance(spec, TiedLayerSpec):
                 out.append((index, self.tied_modules[spec.key]))

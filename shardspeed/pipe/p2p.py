@@ -8,7 +8,9 @@ activations it sent.
 
 Tensors travel as their raw bytes (a uint8 view), so every dtype works on every backend (Gloo has no bool or
 bfloat16 point-to-point of its own). Sends are non-blocking (`isend`): the link keeps each tensor until
-`flush()` sees its send complete, so a stage never stalls on its neighbour's progress.
+`flush()` sees its send complete, so a stage never stalls on its neighbour's progress. Every message of a
+link carries the link's tag (the index of the part boundary it crosses), so with interleaved virtual stages
+the several boundaries between the same two ranks are separate FIFO channels (Gloo matches by tag).
 """
 
 from __future__ import annotations
@@ -40,15 +42,16 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class Link:
     """The connection from this rank to one neighbour (global rank `peer`)."""
 
-    def __init__(self, peer: int, device: torch.device):
+    def __init__(self, peer: int, device: torch.device, tag: int = 0):
         self.peer = peer
         self.device = device
+        self.tag = tag
         self.sent_meta: list[TensorMeta] | None = None
         self.recv_meta: tuple[bool, list[TensorMeta]] | None = None
         self.pending: list = []  # (work, tensor) of sends in flight; the tensor must outlive its send
 
     def _isend(self, tensor: torch.Tensor) -> None:
-        self.pending.append((dist.isend(tensor, dst=self.peer), tensor))
+        self.pending.append((dist.isend(tensor, dst=self.peer, tag=self.tag), tensor))
 
     def flush(self) -> None:
         """Wait for every send in flight on this link."""
@@ -115,7 +118,7 @@ class Link:
     def _recv(self, metas: list[TensorMeta]) -> list[torch.Tensor]:
         tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
         for t in tensors:
-            dist.recv(t.reshape(-1).view(torch.uint8), src=self.peer)
+            dist.recv(t.reshape(-1).view(torch.uint8), src=self.peer, tag=self.tag)
         return tensors
 
     def _send_header(self, is_tuple: bool, metas: list[TensorMeta]) -> None:
@@ -129,9 +132,9 @@ class Link:
 
     def _recv_header(self) -> tuple[bool, list[TensorMeta]]:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(length, src=self.peer)
+        dist.recv(length, src=self.peer, tag=self.tag)
         payload = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-        dist.recv(payload, src=self.peer)
+        dist.recv(payload, src=self.peer, tag=self.tag)
         values = payload.tolist()
         is_tuple, count, pos, metas = bool(values[0]), values[1], 2, []
         for _ in range(count):

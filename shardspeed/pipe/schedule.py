@@ -9,9 +9,16 @@ then alternates a forward with a backward, then drains the remaining backwards. 
 micro-batches are in flight on stage s (their activations are what a stage keeps), instead of all of them
 as in GPipe; the idle "bubble" is (stages - 1) / (micro_batches + stages - 1) of the batch time.
 
+`InterleavedTrainSchedule` (beyond DeepSpeed; Megatron's interleaved 1F1B) runs v model chunks per rank (a
+`PipelineModule` with `virtual_stages=v`): chunk c of rank r is part c * p + r of the layers, so a
+micro-batch passes every rank v times. Forwards go through micro-batches in groups of p per chunk (chunk 0 of
+micro-batches 0..p-1, chunk 1 of the same, ..., then the next p micro-batches), backwards in the mirror order,
+with `2 (p - r - 1) + (v - 1) p` warm-up forwards on rank r. Each chunk is 1/v of a stage's work, so the fill
+and drain of the pipeline cost about 1/v as much: the bubble is about (p - 1) / (v m + p - 1).
+
 Sends are non-blocking and every receive is matched by a send its peer issues earlier in its own list, in
-the same order (activations flow down, gradients up; each direction is FIFO), so no order of execution can
-deadlock.
+the same order (activations flow down, gradients up; each direction between two parts is FIFO), so no order
+of execution can deadlock; `simulate` checks this for any set of instruction lists.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ __all__ = [
     "BackwardPass",
     "ForwardPass",
     "InferenceSchedule",
+    "InterleavedTrainSchedule",
     "LoadMicroBatch",
     "OptimizerStep",
     "PipeInstruction",
@@ -32,6 +40,7 @@ __all__ = [
     "SendActivation",
     "SendGrad",
     "TrainSchedule",
+    "simulate",
 ]
 
 
@@ -45,6 +54,11 @@ class PipeInstruction:
 @dataclass(frozen=True, repr=False)
 class MicroBatchInstruction(PipeInstruction):
     micro_batch: int
+    chunk: int = 0  # which of this rank's model chunks (virtual stages); always 0 without interleaving
+
+    def __repr__(self) -> str:
+        chunk = f", chunk={self.chunk}" if self.chunk else ""
+        return f"{type(self).__name__}(micro_batch={self.micro_batch}{chunk})"
 
 
 class LoadMicroBatch(MicroBatchInstruction):
@@ -88,6 +102,8 @@ class OptimizerStep(PipeInstruction):
 
 
 class PipeSchedule:
+    chunks = 1  # model chunks per rank
+
     def __init__(self, micro_batches: int, stages: int, stage_id: int):
         if micro_batches < 1 or stages < 1 or not 0 <= stage_id < stages:
             raise ValueError(
@@ -97,30 +113,39 @@ class PipeSchedule:
         self.is_first_stage = stage_id == 0
         self.is_last_stage = stage_id == stages - 1
 
+    def is_first_part(self, chunk: int) -> bool:
+        """Whether `chunk` of this rank is the model's first part (it reads the inputs)."""
+        return self.is_first_stage and chunk == 0
+
+    def is_last_part(self, chunk: int) -> bool:
+        """Whether `chunk` of this rank is the model's last part (it reads the labels, computes the loss)."""
+        return self.is_last_stage and chunk == self.chunks - 1
+
     def steps(self) -> list[PipeInstruction]:
         raise NotImplementedError
 
     def __iter__(self):
         return iter(self.steps())
 
-    def _forward(self, mb: int) -> list[PipeInstruction]:
+    def _forward(self, mb: int, chunk: int = 0) -> list[PipeInstruction]:
+        first, last = self.is_first_part(chunk), self.is_last_part(chunk)
         out: list[PipeInstruction] = []
-        if not self.is_first_stage:
-            out.append(RecvActivation(mb))
-        if self.is_first_stage or self.is_last_stage:
-            out.append(LoadMicroBatch(mb))
-        out.append(ForwardPass(mb))
-        if not self.is_last_stage:
-            out.append(SendActivation(mb))
+        if not first:
+            out.append(RecvActivation(mb, chunk))
+        if first or last:
+            out.append(LoadMicroBatch(mb, chunk))
+        out.append(ForwardPass(mb, chunk))
+        if not last:
+            out.append(SendActivation(mb, chunk))
         return out
 
-    def _backward(self, mb: int) -> list[PipeInstruction]:
+    def _backward(self, mb: int, chunk: int = 0) -> list[PipeInstruction]:
         out: list[PipeInstruction] = []
-        if not self.is_last_stage:
-            out.append(RecvGrad(mb))
-        out.append(BackwardPass(mb))
-        if not self.is_first_stage:
-            out.append(SendGrad(mb))
+        if not self.is_last_part(chunk):
+            out.append(RecvGrad(mb, chunk))
+        out.append(BackwardPass(mb, chunk))
+        if not self.is_first_part(chunk):
+            out.append(SendGrad(mb, chunk))
         return out
 
 
@@ -147,8 +172,105 @@ class TrainSchedule(PipeSchedule):
         return self.warmup() + 1
 
 
-class InferenceSchedule(PipeSchedule):
-    """Forward only: each micro-batch flows through the stages; sends never wait, so stages overlap."""
+class InterleavedTrainSchedule(PipeSchedule):
+    """Interleaved 1F1B over `chunks` model chunks per rank; `micro_batches` must be a multiple of `stages`."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int):
+        super().__init__(micro_batches, stages, stage_id)
+        if chunks < 1:
+            raise ValueError(f"bad schedule: chunks={chunks}")
+        if chunks > 1 and micro_batches % stages != 0:
+            raise ValueError(
+                f"the interleaved pipeline schedule needs the micro-batches per batch "
+                f"(gradient_accumulation_steps = {micro_batches}) to be a multiple of the stages ({stages})"
+            )
+        self.chunks = chunks
+
+    def _unit(self, k: int, backward: bool) -> tuple[int, int]:
+        """(micro-batch, chunk) of this rank's k-th forward (or backward) unit."""
+        group = k // self.stages
+        chunk = group % self.chunks
+        micro_batch = (group // self.chunks) * self.stages + k % self.stages
+        return micro_batch, (self.chunks - 1 - chunk if backward else chunk)
+
+    def warmup(self) -> int:
+        total = self.micro_batches * self.chunks
+        if self.chunks == 1:
+            return min(self.stages - self.stage_id - 1, total)
+        return min(2 * (self.stages - self.stage_id - 1) + (self.chunks - 1) * self.stages, total)
 
     def steps(self) -> list[PipeInstruction]:
-        return [inst for mb in range(self.micro_batches) for inst in self._forward(mb)]
+        total, warmup = self.micro_batches * self.chunks, self.warmup()
+        out: list[PipeInstruction] = []
+        for k in range(warmup):
+            out += self._forward(*self._unit(k, backward=False))
+        for i in range(total - warmup):
+            out += self._forward(*self._unit(warmup + i, backward=False))
+            out += self._backward(*self._unit(i, backward=True))
+        for k in range(total - warmup, total):
+            out += self._backward(*self._unit(k, backward=True))
+        return out + [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+
+
+class InferenceSchedule(PipeSchedule):
+    """Forward only: each micro-batch flows through the stages (and, interleaved, through this rank's chunks in
+    order); sends never wait, so stages overlap."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int = 1):
+        super().__init__(micro_batches, stages, stage_id)
+        self.chunks = chunks
+
+    def steps(self) -> list[PipeInstruction]:
+        return [
+            inst
+            for mb in range(self.micro_batches)
+            for chunk in range(self.chunks)
+            for inst in self._forward(mb, chunk)
+        ]
+
+
+def simulate(lists: list[list[PipeInstruction]], costs: dict | None = None) -> float:
+    """Run the instruction lists of every rank of one pipeline (index = stage) with non-blocking sends and
+    blocking receives; raise RuntimeError naming the stuck instructions if they deadlock or a receive would
+    get another micro-batch's data. Transfers are matched per boundary between consecutive parts, FIFO.
+
+    `costs` maps instruction types to durations (e.g. {ForwardPass: 1, BackwardPass: 2}; others take 0);
+    the return value is then the batch's makespan: each stage's clock advances by its instructions' costs and
+    waits at a receive for the time the matching send was issued."""
+    costs = costs or {}
+    stages = len(lists)
+    sent: dict[tuple, list[tuple[int, float]]] = {}  # (kind, boundary) -> (micro-batch, send time), in order
+    taken: dict[tuple, int] = {}
+    pos, clock = [0] * stages, [0.0] * stages
+
+    def channel(stage: int, inst: PipeInstruction) -> tuple:
+        part = inst.chunk * stages + stage
+        if isinstance(inst, SendActivation | RecvGrad):
+            part += 1  # the boundary after this part
+        kind = "act" if isinstance(inst, SendActivation | RecvActivation) else "grad"
+        return kind, part
+
+    while any(pos[s] < len(lists[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            while pos[s] < len(lists[s]):
+                inst = lists[s][pos[s]]
+                if isinstance(inst, SendActivation | SendGrad):
+                    sent.setdefault(channel(s, inst), []).append((inst.micro_batch, clock[s]))
+                elif isinstance(inst, RecvActivation | RecvGrad):
+                    key = channel(s, inst)
+                    n = taken.get(key, 0)
+                    if n >= len(sent.get(key, [])):
+                        break  # blocks until the peer sends
+                    micro_batch, at = sent[key][n]
+                    if micro_batch != inst.micro_batch:
+                        raise RuntimeError(f"stage {s}: {inst!r} would receive micro-batch {micro_batch}")
+                    taken[key] = n + 1
+                    clock[s] = max(clock[s], at)
+                clock[s] += costs.get(type(inst), 0.0)
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = {s: lists[s][pos[s]] for s in range(stages) if pos[s] < len(lists[s])}
+            raise RuntimeError(f"pipeline schedule deadlocks; stuck at {stuck}")
+    return max(clock)
