@@ -8,14 +8,17 @@ A GPT (embedding, transformer blocks, head) is split into p stages, one rank per
 on the same batches with
 
 - `shardspeed`: `PipelineModule` + `initialize` + `train_batch` (1F1B), AdamW;
-- `torch-1f1b`: `torch.distributed.pipelining.PipelineStage` + `Schedule1F1B`, AdamW stepped after it.
+- `shardspeed-v2`: the same with `virtual_stages=2` (interleaved 1F1B; 2p parts of the same layers);
+- `torch-1f1b`: `torch.distributed.pipelining.PipelineStage` + `Schedule1F1B`, AdamW stepped after it;
+- `torch-v2`: `ScheduleInterleaved1F1B` with two `PipelineStage`s per rank on the same 2p parts;
+- `deepspeed`: DeepSpeed 0.19.8's `PipelineModule` + `PipelineEngine.train_batch` (`DS_ACCELERATOR=cpu`),
+  when DeepSpeed is importable (run this script with the bench extra's interpreter; see the README there).
 
-Both run interleaved in one process group. Reported per (p, m): the median time of a global batch of
+All run interleaved in one process group. Reported per (p, m): the median time of a global batch of
 m micro-batches and samples/s; for shardspeed, the measured bubble — the fraction of the schedule's wall
 time (from the stages' common start to the last backward) that a stage spends outside its own forward and
-backward passes, averaged over stages — next to the ideal 1F1B bubble (p - 1) / (m + p - 1); and for both,
-the peak bytes held for backward per stage (tensors saved by autograd, counted by a saved-tensors hook).
-DeepSpeed's PipelineEngine is not in the table (see benchmarks/README.md).
+backward passes, averaged over stages — next to the ideal (p - 1) / (v m + p - 1) (v = 1: 1F1B); and the
+peak bytes held for backward per stage (tensors saved by autograd, counted by a saved-tensors hook).
 """
 
 from __future__ import annotations
@@ -97,11 +100,12 @@ def batches(m: int, step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def run_shardspeed(stages: int, m: int, steps: int) -> dict:
+def run_shardspeed(stages: int, m: int, steps: int, virtual: int = 1) -> dict:
     import shardspeed
     from shardspeed.pipe import PipelineModule
 
-    model = PipelineModule(layer_specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
+    model = PipelineModule(layer_specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True,
+                           virtual_stages=virtual)  # fmt: skip
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
     engine, *_ = shardspeed.initialize(model=model, config=config)
@@ -139,25 +143,32 @@ def run_shardspeed(stages: int, m: int, steps: int) -> dict:
             "parts": model.parts}  # fmt: skip
 
 
-def run_torch(stages: int, m: int, steps: int, parts: list[int]) -> dict:
+def run_torch(stages: int, m: int, steps: int, parts: list[int], virtual: int = 1) -> dict:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     rank = dist.get_rank()
     specs = layer_specs()
-    layers = []
-    for index in range(parts[rank], parts[rank + 1]):
-        torch.manual_seed(1234 + index)  # PipelineModule's seed_layers
-        layers.append(specs[index].build())
-    submodule = nn.Sequential(*layers)
-    # Static shapes: torch's own shape inference exchanges pickled objects, which needs NumPy (not installed).
     hidden = torch.empty(MICRO, SEQ, DIM, requires_grad=True)
-    example_in = torch.zeros(MICRO, SEQ, dtype=torch.long) if rank == 0 else hidden
-    example_out = torch.empty(MICRO, SEQ, VOCAB, requires_grad=True) if rank == stages - 1 else hidden
-    stage = PipelineStage(submodule, rank, stages, torch.device("cpu"), input_args=example_in,
-                          output_args=example_out)  # fmt: skip
-    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
-    optimizer = torch.optim.AdamW(submodule.parameters(), lr=1e-3)
+    pipeline_stages, params = [], []
+    for part in range(rank, stages * virtual, stages):  # part q lives on rank q % stages, as in shardspeed
+        layers = []
+        for index in range(parts[part], parts[part + 1]):
+            torch.manual_seed(1234 + index)  # PipelineModule's seed_layers
+            layers.append(specs[index].build())
+        submodule = nn.Sequential(*layers)
+        params += list(submodule.parameters())
+        # Static shapes: torch's own shape inference exchanges pickled objects, which needs NumPy.
+        example_in = torch.zeros(MICRO, SEQ, dtype=torch.long) if part == 0 else hidden
+        last = part == stages * virtual - 1
+        example_out = torch.empty(MICRO, SEQ, VOCAB, requires_grad=True) if last else hidden
+        pipeline_stages.append(PipelineStage(submodule, part, stages * virtual, torch.device("cpu"),
+                                             input_args=example_in, output_args=example_out))  # fmt: skip
+    if virtual == 1:
+        schedule = Schedule1F1B(pipeline_stages[0], n_microbatches=m, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(pipeline_stages, n_microbatches=m, loss_fn=loss_fn)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
     meter, times, loss = SavedBytes(), [], None
     for step in range(steps + 1):
         x, y = batches(m, step)
@@ -179,9 +190,46 @@ def run_torch(stages: int, m: int, steps: int, parts: list[int]) -> dict:
     return {"times": times, "peak_saved": meter.peak, "loss": loss}
 
 
+def run_deepspeed(stages: int, m: int, steps: int) -> dict:
+    """DeepSpeed's own PipelineModule (its LayerSpec, seed_layers with the same base seed) and train_batch."""
+    import logging
+
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group already there
+    specs = [LayerSpec(Embed)] + [LayerSpec(Block, DIM, HEADS) for _ in range(LAYERS)] + [LayerSpec(Head)]
+    # seed_fn: DeepSpeed's default seeding passes a NumPy integer to random.seed, which Python 3.11 refuses
+    # (TypeError); the torch seed per layer is the same as shardspeed's seed_layers.
+    model = PipelineModule(specs, num_stages=stages, loss_fn=loss_fn, seed_layers=True, base_seed=1234,
+                           seed_fn=lambda seed: torch.manual_seed(int(seed)), partition_method="parameters")  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": m,
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    meter, times, loss = SavedBytes(), [], None
+    for step in range(steps + 1):
+        x, y = batches(m, step)
+        data = iter([(x[i * MICRO : (i + 1) * MICRO], y[i * MICRO : (i + 1) * MICRO]) for i in range(m)])
+        t0 = time.monotonic()
+        with meter.hooks():
+            loss = engine.train_batch(data)
+        if step:
+            times.append(time.monotonic() - t0)
+    return {"times": times, "peak_saved": meter.peak, "loss": float(loss), "parts": list(model.parts)}
+
+
+def deepspeed_missing() -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec("deepspeed") is not None else "deepspeed not installed"
+
+
 def worker(rank: int, world: int, port: int, micro_batches: list[int], steps: int, out_queue) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")  # fmt: skip
     torch.set_num_threads(1)
     import traceback
 
@@ -191,10 +239,16 @@ def worker(rank: int, world: int, port: int, micro_batches: list[int], steps: in
     results = []
     try:
         for m in micro_batches:
-            ours = run_shardspeed(world, m, steps)
-            # Schedule1F1B refuses fewer micro-batches than stages
-            theirs = run_torch(world, m, steps, ours["parts"]) if m >= world else None
-            results.append({"m": m, "shardspeed": ours, "torch-1f1b": theirs})
+            row = {"m": m, "shardspeed": run_shardspeed(world, m, steps)}
+            # Schedule1F1B refuses fewer micro-batches than stages; interleaving needs m a multiple of p
+            row["torch-1f1b"] = run_torch(world, m, steps, row["shardspeed"]["parts"]) if m >= world else None
+            interleave = m % world == 0 and m >= world
+            row["shardspeed-v2"] = run_shardspeed(world, m, steps, virtual=2) if interleave else None
+            row["torch-v2"] = (
+                run_torch(world, m, steps, row["shardspeed-v2"]["parts"], virtual=2) if interleave else None
+            )
+            row["deepspeed"] = run_deepspeed(world, m, steps) if deepspeed_missing() is None else None
+            results.append(row)
     except Exception:
         out_queue.put((rank, traceback.format_exc()))
         raise
@@ -224,54 +278,87 @@ def run_stages(stages: int, micro_batches: list[int], steps: int) -> list[dict]:
     return summarise(stages, [per_rank[r] for r in range(stages)])
 
 
+def _batch_time(runs: list[dict]) -> float:
+    """Median over timed batches of the slowest stage's time (a batch is done when its slowest stage is)."""
+    return statistics.median(max(r["times"][k] for r in runs) for k in range(len(runs[0]["times"])))
+
+
+def _bubble(runs: list[dict]) -> float:
+    bubbles = []
+    for step in range(len(runs[0]["windows"])):
+        start = min(o["windows"][step][0] for o in runs)
+        end = max(o["windows"][step][1] for o in runs)
+        bubbles.append(statistics.mean(1 - o["windows"][step][2] / (end - start) for o in runs))
+    return statistics.median(bubbles)
+
+
+SYSTEMS = ("shardspeed", "shardspeed-v2", "torch-1f1b", "torch-v2", "deepspeed")
+
+
 def summarise(stages: int, per_rank: list[list[dict]]) -> list[dict]:
     rows = []
     for i, m in enumerate(r["m"] for r in per_rank[0]):
-        ours = [per_rank[s][i]["shardspeed"] for s in range(stages)]
-        theirs = [per_rank[s][i]["torch-1f1b"] for s in range(stages)]
-        bubbles = []
-        for step in range(len(ours[0]["windows"])):
-            start = min(o["windows"][step][0] for o in ours)
-            end = max(o["windows"][step][1] for o in ours)
-            bubbles.append(statistics.mean(1 - o["windows"][step][2] / (end - start) for o in ours))
-        # a batch is done when its slowest stage is
-        ours_time = statistics.median(max(o["times"][k] for o in ours) for k in range(len(ours[0]["times"])))
-        theirs_time = None
-        if theirs[0] is not None:
-            theirs_time = statistics.median(
-                max(t["times"][k] for t in theirs) for k in range(len(theirs[0]["times"]))
-            )
-        rows.append({
-            "stages": stages, "m": m, "bubble_measured": statistics.median(bubbles),
-            "bubble_theory": (stages - 1) / (m + stages - 1),
-            "shardspeed_s": ours_time, "torch_s": theirs_time,
-            "shardspeed_samples_s": m * MICRO / ours_time,
-            "torch_samples_s": m * MICRO / theirs_time if theirs_time else None,
-            "shardspeed_peak_saved_mib": [o["peak_saved"] / 2**20 for o in ours],
-            "torch_peak_saved_mib": [t["peak_saved"] / 2**20 if t else None for t in theirs],
-            "loss": (ours[-1]["loss"], theirs[-1]["loss"] if theirs[-1] else None), "parts": ours[0]["parts"],
-        })  # fmt: skip
+        runs = {name: [per_rank[s][i][name] for s in range(stages)] for name in SYSTEMS}
+        row = {"stages": stages, "m": m, "bubble_theory": (stages - 1) / (m + stages - 1),
+               "bubble_theory_v2": (stages - 1) / (2 * m + stages - 1), "parts": runs["shardspeed"][0]["parts"]}  # fmt: skip
+        for name, got in runs.items():
+            if got[0] is None:
+                row[f"{name}_samples_s"] = row[f"{name}_times_s"] = row[f"{name}_peak_saved_mib"] = None
+                continue
+            batch_times = [max(r["times"][k] for r in got) for k in range(len(got[0]["times"]))]
+            row[f"{name}_samples_s"] = m * MICRO / _batch_time(got)
+            row[f"{name}_times_s"] = [min(batch_times), statistics.median(batch_times), max(batch_times)]
+            row[f"{name}_peak_saved_mib"] = [r["peak_saved"] / 2**20 for r in got]
+            row[f"{name}_loss"] = got[-1]["loss"]
+            if "windows" in got[0]:
+                row[f"{name}_bubble"] = _bubble(got)
+        if runs["deepspeed"][0] is not None:
+            row["deepspeed_parts"] = runs["deepspeed"][0]["parts"]
+        rows.append(row)
     return rows
+
+
+def _ratio(row: dict, a: str, b: str) -> str:
+    return (
+        f"{row[a + '_samples_s'] / row[b + '_samples_s']:.2f}x"
+        if row[a + "_samples_s"] and row[b + "_samples_s"]
+        else "-"
+    )
+
+
+def _rate(row: dict, name: str) -> str:
+    return f"{row[name + '_samples_s']:.1f}" if row[name + "_samples_s"] else "-"
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| p | m | bubble measured | bubble (p-1)/(m+p-1) | shardspeed samples/s | torch Schedule1F1B samples/s "
-        "| ratio | peak saved MiB per stage (shardspeed / torch) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| p | m | bubble 1F1B (theory) | bubble v=2 (theory) | samples/s: shardspeed | shardspeed v=2 "
+        "| torch 1F1B | torch interleaved v=2 | DeepSpeed | ours/torch 1F1B | ours/torch v=2 | ours/DeepSpeed "
+        "| peak saved MiB per stage (shardspeed / torch / DeepSpeed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        torch_ok = r["torch_samples_s"] is not None
+        v2 = (
+            f"{r['shardspeed-v2_bubble']:.2f} ({r['bubble_theory_v2']:.2f})"
+            if r["shardspeed-v2_samples_s"]
+            else "-"
+        )
         peaks = " ".join(
-            f"{a:.1f}/{b:.1f}" if b is not None else f"{a:.1f}/-"
-            for a, b in zip(r["shardspeed_peak_saved_mib"], r["torch_peak_saved_mib"])
+            "/".join(f"{p[s]:.1f}" if p else "-" for p in (r["shardspeed_peak_saved_mib"], r["torch-1f1b_peak_saved_mib"],
+                                                            r["deepspeed_peak_saved_mib"]))
+            for s in range(r["stages"])
+        )  # fmt: skip
+        best = (
+            "shardspeed-v2"
+            if (r["shardspeed-v2_samples_s"] or 0) > r["shardspeed_samples_s"]
+            else "shardspeed"
         )
-        theirs = f"{r['torch_samples_s']:.1f}" if torch_ok else "n/a (needs m >= p)"
-        ratio = f"{r['shardspeed_samples_s'] / r['torch_samples_s']:.2f}x" if torch_ok else "-"
         lines.append(
-            f"| {r['stages']} | {r['m']} | {r['bubble_measured']:.2f} | {r['bubble_theory']:.2f} | "
-            f"{r['shardspeed_samples_s']:.1f} | {theirs} | {ratio} | {peaks} |"
-        )
+            f"| {r['stages']} | {r['m']} | {r['shardspeed_bubble']:.2f} ({r['bubble_theory']:.2f}) | {v2} | "
+            f"{_rate(r, 'shardspeed')} | {_rate(r, 'shardspeed-v2')} | {_rate(r, 'torch-1f1b')} | {_rate(r, 'torch-v2')} | "
+            f"{_rate(r, 'deepspeed')} | {_ratio(r, 'shardspeed', 'torch-1f1b')} | {_ratio(r, 'shardspeed-v2', 'torch-v2')} | "
+            f"{_ratio(r, best, 'deepspeed')} | {peaks} |"
+        )  # fmt: skip
     return "\n".join(lines)
 
 

@@ -86,6 +86,22 @@ def checkpoint_case(save_dir: str, zero_stage: int) -> dict:
         _train(engine, range(2, 4))
         out[f"stages_{name}"] = _params(engine)
         engine.destroy()
+    # A layer file of stage 1 goes missing: every rank (stage 0's too) refuses before loading anything.
+    import torch.distributed as dist
+
+    engine = _engine(2, zero_stage)
+    before = _params(engine)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(save_dir, "step2", "layer_04-model_states.pt"))
+    dist.barrier()
+    try:
+        engine.load_checkpoint(save_dir, tag="step2")
+        out["missing_layer"] = "loaded"
+    except Exception as err:
+        out["missing_layer"] = f"{type(err).__name__}: {err}"
+    out["untouched"] = all(torch.equal(before[n], p) for n, p in _params(engine).items())
+    engine.destroy()
     return out
 
 
@@ -104,6 +120,11 @@ def _check(results):
         + [f for f in results[0]["files"] if "optim_states" in f]
     )
     for r in results:
+        assert (
+            r["missing_layer"].startswith("CheckpointError")
+            and "layer_04-model_states.pt is missing" in (r["missing_layer"])
+        ), r["missing_layer"]
+        assert r["untouched"]
         assert r["client"] == {"note": "mid"}
         assert r["global_steps"] == 2
         for name, value in r["uninterrupted"].items():

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardspeed.checkpoint import files
+from shardspeed.checkpoint import files, verify
 from shardspeed.checkpoint.engine_io import (
     ENGINE_KEYS,
     _load_progress,
@@ -36,7 +36,7 @@ from shardspeed.checkpoint.engine_io import (
 )
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.universal import CheckpointReader
-from shardspeed.utils.logging import log_dist, logger
+from shardspeed.utils.logging import log_dist
 
 __all__ = ["layer_file_name", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
 
@@ -129,6 +129,29 @@ class _PipelineReader:
         return {n: r.shape(n) for n, r in self._owner.items()}
 
 
+def _check_files(path: Path, states: list[dict], with_optimizer: bool) -> None:
+    """Every file a load may read is present and whole: each stage's layer files, the ZeRO partitions of every
+    (replica, stage) when optimizer state is loaded, and one RNG file per saved rank."""
+    saved = states[0]
+    stages, replicas = saved["pipeline"]["num_stages"], saved["dp_world_size"]
+    if len(states) != stages:
+        raise CheckpointError(
+            f"checkpoint {path} records {stages} pipeline stages but holds model-states files of {len(states)}"
+        )
+    needed = [
+        layer_file_name(int(index), state["pipeline"]["rank_repr"])
+        for state in states
+        for index in state["pipeline"]["layer_prefixes"]
+    ]
+    if with_optimizer and saved["zero_stage"] >= 1:
+        needed += [files.zero_optim_states_name(d, s) for s in range(stages) for d in range(replicas)]
+    needed += [files.rng_states_name(r) for r in range(stages * replicas)]
+    for name in needed:
+        problem = files.diagnose(path / name)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint file {path / name} {problem}")
+
+
 def _stage_states(path: Path) -> list[dict]:
     states, stage = [], 0
     while (path / files.model_states_name(stage)).is_file():
@@ -153,17 +176,16 @@ def _layer_weights(path: Path, state: dict) -> dict[str, torch.Tensor]:
 
 def load_pipeline_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_scheduler_states,
                              module_only):  # fmt: skip
-    load_dir = Path(load_dir)
-    if tag is None:
-        tag = files.read_latest(load_dir)
-        if tag is None:
-            logger.warning(f"no checkpoint to load: {load_dir / files.LATEST} does not exist")
-            return None, None
-    path = load_dir / str(tag)
-    if not path.is_dir():
-        logger.warning(f"no checkpoint to load: {path} does not exist")
+    found: dict = {}
+
+    def check(path: Path, _model_states: dict) -> None:  # on every rank, before anything is loaded
+        found["states"] = _stage_states(path)
+        _check_files(path, found["states"], load_optimizer_states and not module_only)
+
+    opened = verify.open_checkpoint(engine, Path(load_dir), tag, check)  # every rank agrees, or all raise
+    if opened is None:
         return None, None
-    states = _stage_states(path)
+    path, states = opened[0], found["states"]
     saved = states[0]["pipeline"]
     same_layout = (
         saved["num_stages"] == engine.num_stages
