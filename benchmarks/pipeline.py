@@ -218,7 +218,12 @@ def run_deepspeed(stages: int, m: int, steps: int) -> dict:
             loss = engine.train_batch(data)
         if step:
             times.append(time.monotonic() - t0)
-    return {"times": times, "peak_saved": meter.peak, "loss": float(loss), "parts": list(model.parts)}
+    return {
+        "times": times,
+        "peak_saved": meter.peak,
+        "loss": float(loss),
+        "parts": [int(b) for b in model.parts],
+    }
 
 
 def deepspeed_missing() -> str | None:
