@@ -9,10 +9,12 @@ from torch import Tensor, nn
 from shardspeed.comm.discovery import discover
 from shardspeed.comm.init import init_distributed
 from shardspeed.config import ConfigError, load_config
+from shardspeed.config.loader import read_config_source
 from shardspeed.pipe.engine import PipelineEngine
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
+from shardspeed.runtime.layout import build_parallel_grid
 
 
 def _config_source(args, config, config_params):
@@ -43,6 +45,16 @@ def _announced_world_size(model, mpu, distributed_port: int) -> int:
     if dist.is_initialized():
         return mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
     return discover(distributed_port=distributed_port).world_size
+
+
+def _data_world_size(source, world: int, mpu) -> int:
+    """The data-parallel degree: the world size over `sequence_parallel_size` (checked to divide it)."""
+    sp = read_config_source(source).get("sequence_parallel_size", 1)
+    if mpu is not None or not isinstance(sp, int) or sp <= 1:
+        return world  # an mpu answers for itself; a bad value is reported by load_config
+    if world % sp != 0:
+        raise ConfigError(f"sequence_parallel_size: {sp} does not divide the world size ({world})")
+    return world // sp
 
 
 def initialize(
@@ -77,7 +89,9 @@ def initialize(
         model_parameters = list(model_parameters)
     # A bad config is refused before a process group (or anything else) exists: validated at the world
     # size the launcher announces, its optimizer and scheduler blocks tried on a throwaway parameter.
-    cfg = load_config(source, world_size=_announced_world_size(model, mpu, distributed_port))
+    cfg = load_config(
+        source, world_size=_data_world_size(source, _announced_world_size(model, mpu, distributed_port), mpu)
+    )
     check_config_blocks(cfg, optimizer, lr_scheduler, model_parameters)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
@@ -90,6 +104,7 @@ def initialize(
                 "initialize(mpu=...) cannot be combined with a PipelineModule (it has a topology)"
             )
         mpu = model.mpu()
+    mpu = build_parallel_grid(cfg, mpu)  # sequence-parallel groups when the config asks for them
     world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
     if world != cfg.world_size:
         cfg = load_config(source, world_size=world)
