@@ -58,7 +58,7 @@ def _two_rank_job(checkpoint_dir: str) -> dict:
     import torch.distributed as dist
 
     import shardspeed
-    from shardspeed.sequence import DistributedAttention, shard_sequence
+    from shardspeed.sequence import DistributedAttention, sequence_parallel_mean, shard_sequence
     from shardspeed.sequence.layer import _HEAD_DIM
     from shardspeed.utils import groups
 
@@ -79,10 +79,26 @@ def _two_rank_job(checkpoint_dir: str) -> dict:
     # activation bytes saved for backward: the whole sequence in one process vs this rank's slice at sp 2
     torch.manual_seed(0)
     whole, sharded = UlyssesGPT(), UlyssesGPT()
+    sharded.load_state_dict(whole.state_dict())
     sharded.use_sequence_group(group)
     batch = full_micro_batch(token_data(1, 2), 0, 0, 0, 1, 2)
     out["activation_bytes"] = (saved_activation_bytes(whole, *batch),
                                saved_activation_bytes(sharded, *shard_sequence(batch, group)))  # fmt: skip
+
+    # masked tokens: sequence_parallel_mean's gradients, averaged over the group as the engine does, are those
+    # of one process's mean over the unmasked tokens of the whole sequence
+    ids, pos, labels = batch
+    labels = labels.clone()
+    labels[:, : SEQ // 2 + 5] = -100  # rank 0's slice loses every token, rank 1's only some
+    whole(ids, pos, labels).backward()
+    mine = shard_sequence((ids, pos, labels), group)
+    loss = sequence_parallel_mean(sharded(*mine, reduction="sum"), (mine[2] != -100).sum(), group)
+    loss.backward()
+    grads = []
+    for p, ref in zip(sharded.parameters(), whole.parameters()):
+        dist.all_reduce(p.grad, group=group)
+        grads.append((p.grad / 2 - ref.grad).abs().max().item())
+    out["masked"] = (max(grads), loss.item(), whole(ids, pos, labels).item())
 
     # bad inputs, each must name the numbers
     errors = {}
@@ -114,6 +130,8 @@ def test_sp2_on_two_ranks_matches_one_process(tmp_path):
         assert max_diff(continued, resumed) == 0.0, f"rank {rank}: resume is not bit-exact"
         whole, sharded = result["activation_bytes"]
         assert sharded <= 0.6 * whole, f"rank {rank}: sp 2 saves {sharded} bytes vs {whole} for one process"
+        grad_error, sp_loss, whole_loss = result["masked"]
+        assert grad_error <= 1e-6 and abs(sp_loss - whole_loss) <= 1e-6, f"rank {rank}: masked mean"
     errors = results[0]["errors"]
     assert "query heads (3)" in errors["heads"] and "sequence-parallel size (2)" in errors["heads"]
     assert "sequence length" in errors["sequence"] and f"({SEQ - 1})" in errors["sequence"]
