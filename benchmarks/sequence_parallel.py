@@ -98,7 +98,7 @@ class GPT(nn.Module):
 
 def config(sp: int) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
+            "zero_optimization": {"stage": 0},
             "sequence_parallel_size": sp}  # fmt: skip
 
 
@@ -113,7 +113,7 @@ def build(system: str, sp: int):
         model = GPT(
             lambda local: (_Late(local, holder, DistributedAttention), sp > 1) if sp > 1 else (local, False)
         )
-        engine, *_ = shardspeed.initialize(model=model, config=config(sp))
+        engine, *_ = shardspeed.initialize(model=model, optimizer=_adamw(model), config=config(sp))
         holder["group"] = engine.get_sequence_parallel_group()
         return engine, holder.get("group")
     import deepspeed
@@ -126,11 +126,14 @@ def build(system: str, sp: int):
     )
     cfg = {k: v for k, v in config(sp).items() if k != "sequence_parallel_size"}
     mesh = (dist.get_world_size() // sp, sp) if sp > 1 else None
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=cfg, mesh_param=mesh
-    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model), config=cfg, mesh_param=mesh)
     holder["group"] = groups._get_sequence_parallel_group() if sp > 1 else None
     return engine, holder.get("group")
+
+
+def _adamw(model):
+    """torch's AdamW for both libraries (DeepSpeed's own would JIT-compile a C++ op on CPU)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 class _Late(nn.Module):
@@ -178,6 +181,10 @@ def worker(rank: int, world: int, port: int, steps: int, systems: list[str], out
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
+    if os.environ.get("SP_BENCH_TRACE"):  # where a rank waits, if the run hangs
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["SP_BENCH_TRACE"]), exit=True)
     meter = Meter()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = []

@@ -57,6 +57,19 @@ def _data_world_size(source, world: int, mpu) -> int:
     return world // sp
 
 
+def _with_mesh(source, mesh_param):
+    """DeepSpeed's `mesh_param=(data, sequence)`: the config with that `sequence_parallel_size`."""
+    if mesh_param is None:
+        return source
+    if len(mesh_param) != 2:
+        raise ValueError(f"mesh_param must be (data_parallel_size, sequence_parallel_size), got {mesh_param}")
+    raw = read_config_source(source)
+    if raw.get("sequence_parallel_size", mesh_param[1]) != mesh_param[1]:
+        raise ConfigError(f"sequence_parallel_size: {raw['sequence_parallel_size']} but mesh_param asks for "
+                          f"{mesh_param[1]}; give one of them")  # fmt: skip
+    return {**raw, "sequence_parallel_size": int(mesh_param[1])}
+
+
 def initialize(
     args=None,
     model: nn.Module | None = None,
@@ -79,11 +92,7 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs a model")
-    if mesh_param is not None:
-        raise NotImplementedError(
-            "initialize(mesh_param=...) (sequence/data-parallel meshes) is not supported yet"
-        )
-    source = _config_source(args, config, config_params)
+    source = _with_mesh(_config_source(args, config, config_params), mesh_param)
     if model_parameters is not None and not isinstance(model_parameters, (list, tuple, dict, Tensor)):
         # `model.parameters()` is a generator: the config check below and the optimizer both read it
         model_parameters = list(model_parameters)
@@ -105,6 +114,9 @@ def initialize(
             )
         mpu = model.mpu()
     mpu = build_parallel_grid(cfg, mpu)  # sequence-parallel groups when the config asks for them
+    if mesh_param is not None and mesh_param[0] * mesh_param[1] != dist.get_world_size():
+        raise ValueError(f"mesh_param {tuple(mesh_param)} (data, sequence) does not multiply to the world size "
+                         f"({dist.get_world_size()})")  # fmt: skip
     world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
     if world != cfg.world_size:
         cfg = load_config(source, world_size=world)

@@ -17,13 +17,16 @@ from harness import run_ranks
 STEPS = 3
 
 
-def _engine(stage: int, sp: int, batch_dim_idx: int = 0, **extra):
+def _engine(stage: int, sp: int, batch_dim_idx: int = 0, mesh_param=None):
+    """An engine at sequence degree `sp`, from the config key, or from DeepSpeed's `mesh_param` if given."""
     import shardspeed
 
     torch.manual_seed(0)
     model = UlyssesGPT()
-    config = base_config(zero_optimization={"stage": stage}, sequence_parallel_size=sp, **extra)
-    engine, *_ = shardspeed.initialize(model=model, config=copy.deepcopy(config))
+    config = base_config(zero_optimization={"stage": stage})
+    if mesh_param is None:
+        config["sequence_parallel_size"] = sp
+    engine, *_ = shardspeed.initialize(model=model, config=copy.deepcopy(config), mesh_param=mesh_param)
     model.use_sequence_group(engine.get_sequence_parallel_group(), batch_dim_idx)
     return engine
 
@@ -43,11 +46,13 @@ def _train(engine, steps: range, total_steps: int) -> None:
             engine.step()
 
 
-def _parity_job(stages: list[int], sp: int) -> dict:
-    """Train one engine per ZeRO stage (layouts alternating); return each one's full parameters."""
+def _parity_job(stages: list[int], sp: int, mesh_param=None) -> dict:
+    """Train one engine per ZeRO stage (layouts alternating); return each one's full parameters. With
+    `mesh_param`, the last stage's engine gets its groups from it instead of the config key."""
     results = {}
     for stage in stages:
-        engine = _engine(stage, sp, batch_dim_idx=stage % 2)
+        mesh = mesh_param if stage == stages[-1] else None
+        engine = _engine(stage, sp, batch_dim_idx=stage % 2, mesh_param=mesh)
         _train(engine, range(STEPS), STEPS)
         results[stage] = full_params(engine)
         engine.destroy()
@@ -149,7 +154,7 @@ def _four_rank_job() -> dict:
     from shardspeed.runtime.data import ShardedDataLoader
     from shardspeed.utils import groups
 
-    out = {"params": _parity_job([0, 2, 3], sp=2)}
+    out = {"params": _parity_job([0, 2, 3], sp=2, mesh_param=(2, 2))}
     seq_group = groups._get_sequence_parallel_group()
     out["layout"] = {
         "sequence_ranks": dist.get_process_group_ranks(seq_group),

@@ -64,7 +64,9 @@ def _get_model_parallel_rank() -> int:
 
 
 def _get_sequence_parallel_group():
-    return _ask("get_sequence_parallel_group", lambda: None)  # None: no sequence parallelism configured
+    if _get_sequence_parallel_world_size() == 1:
+        return None  # no sequence parallelism configured (a pipeline grid, say, has no sequence axis)
+    return _ask("get_sequence_parallel_group", lambda: None)
 
 
 def _get_sequence_parallel_world_size() -> int:
