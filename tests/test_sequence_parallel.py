@@ -9,7 +9,16 @@ import copy
 
 import pytest
 import torch
-from sp_common import SEQ, UlyssesGPT, full_micro_batch, reference_run, saved_activation_bytes, token_data
+from sp_common import (
+    DIM,
+    LAYERS,
+    SEQ,
+    UlyssesGPT,
+    full_micro_batch,
+    reference_run,
+    saved_activation_bytes,
+    token_data,
+)
 
 from common import base_config, full_params, max_diff
 from harness import run_ranks
@@ -168,10 +177,17 @@ def _four_rank_job() -> dict:
     tokens = token_data(1, 16)[0]
     dataset = [(t[:-1], torch.arange(SEQ), t[1:]) for t in tokens]
     torch.manual_seed(0)
-    _, _, loader, _ = shardspeed.initialize(
-        model=UlyssesGPT(), training_data=dataset, config=base_config(sequence_parallel_size=2)
-    )
+    model = UlyssesGPT()
+    config = base_config(sequence_parallel_size=2, comms_logger={"enabled": True})
+    engine, _, loader, _ = shardspeed.initialize(model=model, training_data=dataset, config=config)
+    model.use_sequence_group(engine.get_sequence_parallel_group())
     mine = next(iter(loader))
+    # the comms logger sees Ulysses' exchanges: 4 per block forward (q, k, v, output) and 4 backward
+    from shardspeed.comm import logger
+
+    logger.active().reset()
+    engine.backward(engine(*mine))
+    out["all_to_all_bytes"] = logger.active().bytes_by_op().get("all_to_all_single")
     pieces = [torch.empty_like(mine[0]) for _ in range(2)]
     dist.all_gather(pieces, mine[0].contiguous(), group=seq_group)
     expected = next(iter(ShardedDataLoader(dataset, batch_size=micro, num_replicas=2, rank=dp_rank)))
@@ -193,5 +209,6 @@ def test_sp2_dp2_on_four_ranks_matches_one_process():
         gathered, expected, local_shape = result["loader"]
         assert torch.equal(gathered, expected), f"rank {rank}: sequence slices do not rebuild the batch"
         assert local_shape == (2, SEQ // 2)
+        assert result["all_to_all_bytes"] == LAYERS * 8 * 2 * (SEQ // 2) * DIM * 4, f"rank {rank}"
     # the two data-parallel replicas drew different samples
     assert not torch.equal(results[0]["loader"][1], results[2]["loader"][1])

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardspeed.comm import collectives
+
 __all__ = ["SeqAllToAll", "all_to_all_swap", "check_divisible"]
 
 
@@ -32,7 +34,7 @@ def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torc
         return x
     send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()  # [world, ...chunk]
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    collectives.all_to_all_single(received, send, group=group)
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
