@@ -9,6 +9,9 @@ import copy
 
 import pytest
 import torch
+
+from common import base_config, full_params, max_diff
+from harness import run_ranks
 from sp_common import (
     DIM,
     LAYERS,
@@ -19,9 +22,6 @@ from sp_common import (
     saved_activation_bytes,
     token_data,
 )
-
-from common import base_config, full_params, max_diff
-from harness import run_ranks
 
 STEPS = 3
 
