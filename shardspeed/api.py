@@ -9,10 +9,12 @@ from torch import Tensor, nn
 from shardspeed.comm.discovery import discover
 from shardspeed.comm.init import init_distributed
 from shardspeed.config import ConfigError, load_config
+from shardspeed.config.loader import read_config_source
 from shardspeed.pipe.engine import PipelineEngine
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
+from shardspeed.runtime.layout import build_parallel_grid
 
 
 def _config_source(args, config, config_params):
@@ -45,6 +47,29 @@ def _announced_world_size(model, mpu, distributed_port: int) -> int:
     return discover(distributed_port=distributed_port).world_size
 
 
+def _data_world_size(source, world: int, mpu) -> int:
+    """The data-parallel degree: the world size over `sequence_parallel_size` (checked to divide it)."""
+    sp = read_config_source(source).get("sequence_parallel_size", 1)
+    if mpu is not None or not isinstance(sp, int) or sp <= 1:
+        return world  # an mpu answers for itself; a bad value is reported by load_config
+    if world % sp != 0:
+        raise ConfigError(f"sequence_parallel_size: {sp} does not divide the world size ({world})")
+    return world // sp
+
+
+def _with_mesh(source, mesh_param):
+    """DeepSpeed's `mesh_param=(data, sequence)`: the config with that `sequence_parallel_size`."""
+    if mesh_param is None:
+        return source
+    if len(mesh_param) != 2:
+        raise ValueError(f"mesh_param must be (data_parallel_size, sequence_parallel_size), got {mesh_param}")
+    raw = read_config_source(source)
+    if raw.get("sequence_parallel_size", mesh_param[1]) != mesh_param[1]:
+        raise ConfigError(f"sequence_parallel_size: {raw['sequence_parallel_size']} but mesh_param asks for "
+                          f"{mesh_param[1]}; give one of them")  # fmt: skip
+    return {**raw, "sequence_parallel_size": int(mesh_param[1])}
+
+
 def initialize(
     args=None,
     model: nn.Module | None = None,
@@ -67,17 +92,15 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs a model")
-    if mesh_param is not None:
-        raise NotImplementedError(
-            "initialize(mesh_param=...) (sequence/data-parallel meshes) is not supported yet"
-        )
-    source = _config_source(args, config, config_params)
+    source = _with_mesh(_config_source(args, config, config_params), mesh_param)
     if model_parameters is not None and not isinstance(model_parameters, (list, tuple, dict, Tensor)):
         # `model.parameters()` is a generator: the config check below and the optimizer both read it
         model_parameters = list(model_parameters)
     # A bad config is refused before a process group (or anything else) exists: validated at the world
     # size the launcher announces, its optimizer and scheduler blocks tried on a throwaway parameter.
-    cfg = load_config(source, world_size=_announced_world_size(model, mpu, distributed_port))
+    cfg = load_config(
+        source, world_size=_data_world_size(source, _announced_world_size(model, mpu, distributed_port), mpu)
+    )
     check_config_blocks(cfg, optimizer, lr_scheduler, model_parameters)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
@@ -90,6 +113,10 @@ def initialize(
                 "initialize(mpu=...) cannot be combined with a PipelineModule (it has a topology)"
             )
         mpu = model.mpu()
+    mpu = build_parallel_grid(cfg, mpu)  # sequence-parallel groups when the config asks for them
+    if mesh_param is not None and mesh_param[0] * mesh_param[1] != dist.get_world_size():
+        raise ValueError(f"mesh_param {tuple(mesh_param)} (data, sequence) does not multiply to the world size "
+                         f"({dist.get_world_size()})")  # fmt: skip
     world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
     if world != cfg.world_size:
         cfg = load_config(source, world_size=world)

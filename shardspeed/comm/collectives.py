@@ -16,7 +16,7 @@ So with Gloo a reduce-scatter is one `reduce` per slice to the rank that owns it
 issued in the same order on every rank. NCCL (and any other backend) uses the native collectives.
 
 Every collective of a training step (gradient all-reduce/reduce-scatter, parameter all-gathers, the norm's
-all-reduce) goes through this module, so the comms logger (`comm/logger.py`) sees each one once, under its
+all-reduce, Ulysses' all-to-alls) goes through this module, so the comms logger (`comm/logger.py`) sees each one once, under its
 logical name (a Gloo reduce-scatter is logged as one `reduce_scatter_tensor`, not as its per-slice reduces).
 With the logger off the only cost is one `is None` check. (Start-up broadcasts and checkpoint barriers call
 torch directly and are not logged.)
@@ -90,6 +90,15 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     run = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # noqa: E731
     return log.timed("all_reduce", _nbytes(tensor), run, group=group)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`torch.distributed.all_to_all_single` (Ulysses' exchange), seen by the comms logger."""
+    log = logger.active()
+    if log is None:
+        return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    run = lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op)  # noqa: E731
+    return log.timed("all_to_all_single", _nbytes(input), run, group=group)
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):

@@ -165,11 +165,30 @@ class ParallelGrid:
             group = dist.new_group(ranks=ranks)
             if self.global_rank in ranks:
                 self._groups["replica"], self._group_ranks["replica"] = group, ranks
+        # Ulysses: parameters are replicated over the sequence ranks as over the data ranks, so gradients are
+        # averaged (and ZeRO shards) over both together: DeepSpeed's "sequence-data-parallel" group.
+        if "sequence" in topology.axes:
+            for ranks in self._sequence_data_rank_lists():
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    self._groups["sequence_data"], self._group_ranks["sequence_data"] = group, ranks
 
     def _replica_rank_lists(self) -> list[list[int]]:
-        if "data" not in self._topo.axes:
-            return [list(range(self.world_size))]
-        return [self._topo.get_axis_list("data", d) for d in range(self._topo.get_dim("data"))]
+        """One model replica: the ranks that share a data and a sequence coordinate (pipe x tensor)."""
+        return self._slices_varying(lambda axis: axis not in ("data", "sequence"))
+
+    def _sequence_data_rank_lists(self) -> list[list[int]]:
+        """The ranks that share every coordinate but data and sequence."""
+        return self._slices_varying(lambda axis: axis in ("data", "sequence"))
+
+    def _slices_varying(self, varies) -> list[list[int]]:
+        """Rank lists, one per fixed value of the axes for which `varies(axis)` is false, in rank order."""
+        fixed = [a for a in self._topo.axes if not varies(a)]
+        slices: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            coord = self._topo.get_coord(rank)
+            slices.setdefault(tuple(coord[a] for a in fixed), []).append(rank)
+        return sorted(slices.values())
 
     # -- the topology and this rank's coordinates ------------------------------------------------------------
 
@@ -264,6 +283,31 @@ class ParallelGrid:
 
     def get_model_parallel_group(self):
         return self._groups["replica"]
+
+    # -- sequence (Ulysses) parallelism ------------------------------------------------------------------------
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._axis_rank("sequence")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._axis_size("sequence")
+
+    def get_sequence_parallel_group(self):
+        return self._axis_group("sequence")
+
+    def get_sequence_data_parallel_group(self):
+        """Data x sequence ranks (gradient averaging, ZeRO sharding); the data group without a sequence axis."""
+        return (
+            self._groups["sequence_data"]
+            if "sequence_data" in self._groups
+            else self.get_data_parallel_group()
+        )
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return len(self._group_ranks.get("sequence_data", self.axis_ranks("data")))
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._group_ranks.get("sequence_data", self.axis_ranks("data")).index(self.global_rank)
 
 
 PipelineParallelGrid = ParallelGrid  # DeepSpeed's name

@@ -27,6 +27,7 @@ from shardspeed.runtime.observers import StepObservers
 from shardspeed.runtime.optim import is_zero_tested_optimizer
 from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
+from shardspeed.sequence.engine_part import SequenceParallelism
 from shardspeed.utils.logging import log_dist
 from shardspeed.zero import init as zero_init
 from shardspeed.zero.offload import OptimizerOffload
@@ -65,10 +66,13 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         self._config = config
         self.config = config.raw
         self.mpu = mpu
-        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        # Gradients are averaged, and ZeRO shards, over every rank holding the same parameters: the data ranks,
+        # and with sequence parallelism the sequence ranks too; batches are sharded over the data ranks only.
+        self.dp_group = _replica_group(mpu)
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
+        self.sequence = SequenceParallelism.from_mpu(mpu)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = accelerator.device_for_local_rank(self.local_rank)
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
@@ -108,30 +112,34 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
     # -- construction helpers ------------------------------------------------------------------------------
 
-    def _make_dataloader(self, dataset, collate_fn) -> ShardedDataLoader:
-        return ShardedDataLoader(
-            dataset,
-            batch_size=self.train_micro_batch_size_per_gpu(),
-            num_replicas=self.world_size,
-            rank=self.dp_rank,
-            collate_fn=collate_fn,
-            drop_last=self._config.dataloader_drop_last,
+    def _make_dataloader(self, dataset, collate_fn):
+        return self.sequence.shard_loader(
+            ShardedDataLoader(
+                dataset,
+                batch_size=self.train_micro_batch_size_per_gpu(),
+                num_replicas=self.sequence.data_world_size(self.world_size),
+                rank=self.sequence.data_rank(self.dp_rank),
+                collate_fn=collate_fn,
+                drop_last=self._config.dataloader_drop_last,
+            )
         )
 
     def deepspeed_io(self, dataset, batch_size=None, route="train", pin_memory=True, data_sampler=None,
                      collate_fn=None, num_local_io_workers=None):  # fmt: skip
         """Build a data loader for `dataset` sharded over the data-parallel ranks (DeepSpeed's name)."""
-        return ShardedDataLoader(
-            dataset,
-            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-            num_replicas=self.world_size,
-            rank=self.dp_rank,
-            collate_fn=collate_fn,
-            drop_last=self._config.dataloader_drop_last,
-            shuffle=route == "train",
-            num_workers=num_local_io_workers or 0,
-            pin_memory=pin_memory,
-            data_sampler=data_sampler,
+        return self.sequence.shard_loader(
+            ShardedDataLoader(
+                dataset,
+                batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                num_replicas=self.sequence.data_world_size(self.world_size),
+                rank=self.sequence.data_rank(self.dp_rank),
+                collate_fn=collate_fn,
+                drop_last=self._config.dataloader_drop_last,
+                shuffle=route == "train",
+                num_workers=num_local_io_workers or 0,
+                pin_memory=pin_memory,
+                data_sampler=data_sampler,
+            )
         )
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer):
@@ -361,21 +369,24 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         return self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
-        micro = self.train_micro_batch_size_per_gpu()
-        if train_batch_size % (micro * self.world_size) != 0:
+        micro, world = self.train_micro_batch_size_per_gpu(), self.sequence.data_world_size(self.world_size)
+        if train_batch_size % (micro * world) != 0:
             raise ValueError(
                 f"train_batch_size {train_batch_size} is not divisible by train_micro_batch_size_per_gpu "
-                f"({micro}) * world size ({self.world_size})"
+                f"({micro}) * data-parallel size ({world})"
             )
-        gas = train_batch_size // (micro * self.world_size)
+        gas = train_batch_size // (micro * world)
         self._set_batch(train_batch_size, micro, gas)
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         gas = self.gradient_accumulation_steps()
-        self._set_batch(micro_batch_size * gas * self.world_size, micro_batch_size, gas)
+        world = self.sequence.data_world_size(self.world_size)
+        self._set_batch(micro_batch_size * gas * world, micro_batch_size, gas)
 
     def _set_batch(self, train: int, micro: int, gas: int) -> None:
-        train, micro, gas = resolve_batch_sizes(train, micro, gas, self.world_size)
+        train, micro, gas = resolve_batch_sizes(
+            train, micro, gas, self.sequence.data_world_size(self.world_size)
+        )
         self._config.train_batch_size = train
         self._config.train_micro_batch_size_per_gpu = micro
         self._config.gradient_accumulation_steps = gas
@@ -389,6 +400,10 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.grad_norm if self.optimizer is not None else None
+
+    def get_sequence_parallel_group(self):
+        """The Ulysses sequence-parallel group for DistributedAttention (None without sequence parallelism)."""
+        return self.sequence.group
 
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
@@ -420,6 +435,15 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             self.optimizer.remove_hooks()
             if getattr(self.optimizer, "nvme", None) is not None:
                 self.optimizer.nvme.close()
+
+
+def _replica_group(mpu):
+    """The group over which parameters are replicated (None: the world)."""
+    if mpu is None:
+        return None
+    if hasattr(mpu, "get_sequence_data_parallel_group"):
+        return mpu.get_sequence_data_parallel_group()
+    return mpu.get_data_parallel_group()
 
 
 def _cast_floating(obj, dtype: torch.dtype):
