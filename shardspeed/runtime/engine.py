@@ -31,6 +31,7 @@ from shardspeed.utils.logging import log_dist
 from shardspeed.zero import init as zero_init
 from shardspeed.zero.offload import OptimizerOffload
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
+from shardspeed.zero.swap import AioSettings
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -195,7 +196,10 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         block = self._config.zero_optimization.offload_optimizer
         if block is None or block.device == "none":
             return None
-        return OptimizerOffload(block.device, block.nvme_path, block.pin_memory)
+        return OptimizerOffload(
+            block.device, block.nvme_path, block.pin_memory, block.buffer_count, block.pipeline_read,
+            block.pipeline_write, AioSettings.from_config(self._config.aio),
+        )  # fmt: skip
 
     def _stage3_unit_numel(self, sub_group_numel: int) -> int:
         """Largest unit gathered whole: the prefetch/bucket/sub-group sizes, and at most a quarter of the

@@ -31,9 +31,10 @@ from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.placement import place_optimizer_state
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan, unscaled_in_kernel
 from shardspeed.zero.flat_params import FlatParamBucket
-from shardspeed.zero.offload import HostGradients, NvmeOptimizerState, OptimizerOffload
+from shardspeed.zero.offload import HostGradients, OptimizerOffload
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units
+from shardspeed.zero.swap import build_optimizer_swapper
 
 
 def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[FlatParamBucket]:
@@ -89,33 +90,36 @@ class ZeroOptimizer(OptimizerWrapper):
             others = [p for p in group_dict["params"] if id(p) not in managed]
             mine = [m for m, b in zip(self.masters, buckets) if b.group_index == group_index]
             group_dict["params"] = mine + others
-        self.nvme = None
-        if offload is not None and offload.device == "nvme":
-            self.nvme = NvmeOptimizerState(optimizer, self.masters, offload.nvme_path, dist.get_rank(group))
         self.host_grads = None
         self._boundary = True
         # One optimizer call per bucket only where it buys something: NVMe (one bucket's state resident) or
         # masters off the device (each bucket's copy back overlaps the next bucket's step).
-        self._step_per_bucket = self.nvme is not None or any(
+        self._step_per_bucket = (offload is not None and offload.device == "nvme") or any(
             m.device != b.shard.device for m, b in zip(self.masters, buckets)
         )
         if offload is not None and buckets:
             self.host_grads = HostGradients(self.masters, buckets[0].shard.device)
             if hasattr(grads, "on_shard_final"):  # stages 2/3: per bucket, during backward
                 grads.on_shard_final = self.host_grads.receive
+        self.nvme = None  # last: the swapper empties the masters (the gradient buffers are sized from them)
+        if offload is not None and offload.device == "nvme":
+            self.nvme = build_optimizer_swapper(optimizer, self.masters, offload, dist.get_rank(group))
 
     def _master_for(self, shard: torch.Tensor) -> torch.Tensor:
-        if self.offload is not None and (self.plan.mixed or shard.device != self.offload.host):
+        # Under NVMe the master is always a copy: it is swapped out between steps, the shard is not.
+        nvme = self.offload is not None and self.offload.device == "nvme"
+        if self.offload is not None and (nvme or self.plan.mixed or shard.device != self.offload.host):
             return self.offload.place_master(shard)
         return shard.float().clone() if self.plan.mixed else shard
 
-    def _resident_state(self):
-        """A context in which every master's optimizer state is in memory (NVMe offload swaps it out)."""
-        return self.nvme.resident() if self.nvme is not None else contextlib.nullcontext()
+    def _resident_state(self, indices=None):
+        """A context in which the masters `indices` (default all) and their optimizer state are in memory
+        (NVMe offload swaps them out)."""
+        return self.nvme.resident(indices) if self.nvme is not None else contextlib.nullcontext()
 
     def shard_state(self, index: int) -> dict:
         """The optimizer state of bucket `index`'s shard (a copy read from disk under NVMe offload)."""
-        with self._resident_state():
+        with self._resident_state([index]):
             return {
                 k: v.clone() if torch.is_tensor(v) else v
                 for k, v in self.optimizer.state.get(self.masters[index], {}).items()
@@ -165,16 +169,18 @@ class ZeroOptimizer(OptimizerWrapper):
                     self._bucket_stepped(index)
             else:
                 # Bucket by bucket (the torch optimizer skips tensors without .grad): a stepped bucket's
-                # shard goes back to the device while the next one steps; under NVMe only the stepping
-                # bucket's state is in memory.
-                for index, grad in enumerate(grads):
-                    if self.nvme is not None:
-                        self.nvme.swap_in(index)
-                    self.masters[index].grad = grad
+                # shard goes back to the device while the next one steps; under NVMe only the sub-groups
+                # in flight are in memory.
+                def step_one(index: int) -> None:
+                    self.masters[index].grad = grads[index]
                     self.optimizer.step()
                     self._bucket_stepped(index)
-                    if self.nvme is not None:
-                        self.nvme.swap_out(index)
+
+                if self.nvme is not None:
+                    self.nvme.step_each(step_one)
+                else:
+                    for index in range(len(grads)):
+                        step_one(index)
         self._publish_shards()
 
     def _bucket_stepped(self, index: int) -> None:
@@ -216,14 +222,16 @@ class ZeroOptimizer(OptimizerWrapper):
     def _refresh_master(self, index: int):
         def refresh() -> None:
             if self.masters[index] is not self.buckets[index].shard:
-                self.masters[index].copy_(self.buckets[index].shard)
+                with self._resident_state([index]):
+                    self.masters[index].copy_(self.buckets[index].shard)
 
         return refresh
 
     def refresh_masters_from_module(self) -> None:
-        for master, bucket in zip(self.masters, self.buckets):
-            if master is not bucket.shard:
-                master.copy_(bucket.shard)
+        with self._resident_state():
+            for master, bucket in zip(self.masters, self.buckets):
+                if master is not bucket.shard:
+                    master.copy_(bucket.shard)
 
     # -- state: this rank's shards plus the layout needed to find every parameter in them -----------------
 
@@ -238,8 +246,9 @@ class ZeroOptimizer(OptimizerWrapper):
             "world_size": dist.get_world_size(self.group),
             "rank": dist.get_rank(self.group),
             "buckets": [b.layout() for b in self.buckets],
-            # clone: in fp32 a master is a view into the whole bucket, and torch.save writes whole storages
-            "fp32_shards": [m.clone() if m._base is not None else m for m in self.masters],
+            # clone: in fp32 a master is a view into the whole bucket, and torch.save writes whole storages;
+            # under NVMe offload the masters are emptied again when the resident context ends
+            "fp32_shards": [m.clone() if m._base is not None or self.nvme else m for m in self.masters],
             # copies: under NVMe offload the resident tensors are dropped again when the context ends
             "optimizer_states": [dict(self.optimizer.state.get(m, {})) for m in self.masters],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]],
@@ -258,10 +267,11 @@ class ZeroOptimizer(OptimizerWrapper):
         """Restore this rank's shards; with `load_optimizer_states=False` only the fp32 weights."""
         if [b.layout() for b in self.buckets] != state["buckets"]:
             raise ValueError("the saved ZeRO partition layout differs from this engine's")
-        for master, saved, bucket in zip(self.masters, state["fp32_shards"], self.buckets):
-            master.copy_(saved)
-            if master is not bucket.shard:
-                bucket.shard.copy_(master)
+        with self._resident_state():
+            for master, saved, bucket in zip(self.masters, state["fp32_shards"], self.buckets):
+                master.copy_(saved)
+                if master is not bucket.shard:
+                    bucket.shard.copy_(master)
         frozen = self._frozen_units()
         if [u.layout() for u in frozen] != state.get("frozen_buckets", []):
             raise ValueError("the saved frozen-parameter partition layout differs from this engine's")
