@@ -32,6 +32,7 @@ from shardspeed.zero import init as zero_init
 from shardspeed.zero.offload import OptimizerOffload
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
 from shardspeed.zero.swap import AioSettings
+from shardspeed.zero.swap.param_swapper import build_param_tier
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -179,6 +180,12 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                 prefetch_numel=int(zero_cfg.stage3_prefetch_bucket_size),
                 max_live_numel=int(zero_cfg.stage3_max_live_parameters),
                 max_reuse_distance=int(zero_cfg.stage3_max_reuse_distance),
+                param_tier=build_param_tier(
+                    zero_cfg.offload_param,
+                    AioSettings.from_config(self._config.aio),
+                    self.module,
+                    self.dp_group,
+                ),
                 **common,
                 **comm,
             )
@@ -422,8 +429,8 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         self.observers.close()
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
-            if getattr(self.optimizer, "nvme", None) is not None:
-                self.optimizer.nvme.close()
+            if hasattr(self.optimizer, "close_offload"):
+                self.optimizer.close_offload()
 
 
 def _cast_floating(obj, dtype: torch.dtype):

@@ -193,6 +193,8 @@ class ZeroOptimizer(OptimizerWrapper):
             bucket.shard.copy_(master.to(bucket.shard.device, non_blocking=True))
         elif master is not bucket.shard:
             bucket.shard.copy_(master)
+        if self.coordinator is not None:
+            bucket.evict()  # parameter offload: the updated shard goes home now, not all at the end
 
     def _publish_shards(self) -> None:
         """Make updated shards visible: stage 1/2 all-gather every bucket now; stage 3 gathers on use."""
@@ -218,6 +220,14 @@ class ZeroOptimizer(OptimizerWrapper):
         self.grads.remove_hooks()
         if self.coordinator is not None:
             self.coordinator.remove_hooks()
+
+    def close_offload(self) -> None:
+        """Delete this rank's NVMe swap files (optimizer state and parameter shards)."""
+        if self.nvme is not None:
+            self.nvme.close()
+        tier = getattr(self.coordinator, "tier", None)
+        if tier is not None:
+            tier.close()
 
     def _refresh_master(self, index: int):
         def refresh() -> None:
@@ -401,7 +411,7 @@ def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, al
 def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int, persistence_threshold: int,
                  model_persistence_threshold: int, prefetch_numel: int, max_live_numel: int,
                  max_reuse_distance: int, plan, scaler, gradient_clipping, group=None, offload=None,
-                 **reduce_options) -> ZeroOptimizer:  # fmt: skip
+                 param_tier=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
     """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm."""
     names = {p: n for n, p in module.named_parameters()}
     units = build_units(
@@ -412,6 +422,7 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         persistence_threshold=persistence_threshold,
         model_persistence_threshold=model_persistence_threshold,
         group=group,
+        tier=param_tier,
     )
     coordinator = Stage3Coordinator(
         module,
@@ -419,6 +430,7 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         prefetch_numel=prefetch_numel,
         max_live_numel=max_live_numel,
         max_reuse_distance=max_reuse_distance,
+        tier=param_tier,
     )
     trainable = [u for u in units if u.group_index is not None]
     grads = ShardedGradReducer(
@@ -429,7 +441,10 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         on_grads_staged=coordinator.on_unit_grads_staged,
         **reduce_options,
     )
-    return ZeroOptimizer(
+    wrapper = ZeroOptimizer(
         optimizer, list(reversed(trainable)), grads, stage=3, plan=plan, scaler=scaler,
         gradient_clipping=gradient_clipping, group=group, coordinator=coordinator, offload=offload,
     )  # fmt: skip
+    for unit in units:
+        unit.evict()  # building the masters read every offloaded shard once
+    return wrapper

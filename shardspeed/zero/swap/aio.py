@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AioSettings", "AsyncFileIO", "IoRequest", "aligned_empty"]
+__all__ = ["AioSettings", "AsyncFileIO", "IoRequest", "aligned_empty", "write_file"]
 
 ALIGNMENT = 4096  # page size: what O_DIRECT needs of addresses, offsets and lengths on common filesystems
 
@@ -204,3 +204,12 @@ def _transfer(fd: int, buffer: memoryview, offset: int, writing: bool) -> None:
             raise OSError(f"{'write' if writing else 'read'} of {len(piece)} bytes at offset {offset + done} "
                           f"moved nothing (file too short?)")  # fmt: skip
         done += moved
+
+
+def write_file(tensor: torch.Tensor, path: str) -> None:
+    """Write a contiguous CPU tensor's bytes to `path` now (no pool: small one-off writes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _transfer(fd, _memory(tensor), 0, writing=True)
+    finally:
+        os.close(fd)
