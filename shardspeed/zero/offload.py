@@ -53,12 +53,13 @@ class HostGradients:
     (a CPU-only fp32 run) is used where it is: no copy.
     """
 
-    def __init__(self, masters: list[torch.Tensor], device: torch.device):
+    def __init__(self, numels: list[int], host: torch.device, device: torch.device):
         self.device = device
         pin = device.type == "cuda"
-        self._buffers = [torch.empty_like(m, pin_memory=pin) for m in masters]
-        self.grads: list[torch.Tensor | None] = [None] * len(masters)
-        self._squared_norms: list[torch.Tensor | None] = [None] * len(masters)
+        # Untouched until a copy lands (a CPU-only fp32 run never copies): empty, not zeros.
+        self._buffers = [torch.empty(n, dtype=torch.float32, device=host, pin_memory=pin) for n in numels]
+        self.grads: list[torch.Tensor | None] = [None] * len(numels)
+        self._squared_norms: list[torch.Tensor | None] = [None] * len(numels)
 
     def receive(self, index: int, shard: torch.Tensor) -> None:
         """Take bucket `index`'s final reduced gradient shard (call once per boundary backward)."""

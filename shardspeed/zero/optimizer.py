@@ -79,7 +79,23 @@ class ZeroOptimizer(OptimizerWrapper):
         self.grad_norm: float | None = None
         # The optimizer steps one tensor per bucket: a fp32 copy of the shard, or the shard itself in fp32
         # training when the optimizer runs where the shard lives.
-        self.masters = [self._master_for(b.shard) for b in buckets]
+        # Under NVMe offload each master goes to its file as soon as it is made (and, with parameter offload,
+        # each shard back home), so building them never holds the whole model.
+        nvme = offload is not None and offload.device == "nvme"
+        self.nvme = None
+        if nvme:
+            numels = [b.shard_numel for b in buckets]
+            self.nvme = build_optimizer_swapper(optimizer, numels, offload, dist.get_rank(group))
+        self.masters = []
+        for bucket in buckets:
+            master = self._master_for(bucket.shard)
+            if stage == 3:
+                bucket.evict()
+            if self.nvme is not None:
+                self.nvme.adopt(master)
+            self.masters.append(master)
+        if self.nvme is not None:
+            self.nvme.drain()
         for index, bucket in enumerate(buckets):
             for p in bucket.params:
                 p._shardspeed_zero = (self, index)  # found by the zero.safe_get_* accessors
@@ -94,16 +110,11 @@ class ZeroOptimizer(OptimizerWrapper):
         self._boundary = True
         # One optimizer call per bucket only where it buys something: NVMe (one bucket's state resident) or
         # masters off the device (each bucket's copy back overlaps the next bucket's step).
-        self._step_per_bucket = (offload is not None and offload.device == "nvme") or any(
-            m.device != b.shard.device for m, b in zip(self.masters, buckets)
-        )
+        self._step_per_bucket = nvme or any(m.device != b.device for m, b in zip(self.masters, buckets))
         if offload is not None and buckets:
-            self.host_grads = HostGradients(self.masters, buckets[0].shard.device)
+            self.host_grads = HostGradients([b.shard_numel for b in buckets], offload.host, buckets[0].device)
             if hasattr(grads, "on_shard_final"):  # stages 2/3: per bucket, during backward
                 grads.on_shard_final = self.host_grads.receive
-        self.nvme = None  # last: the swapper empties the masters (the gradient buffers are sized from them)
-        if offload is not None and offload.device == "nvme":
-            self.nvme = build_optimizer_swapper(optimizer, self.masters, offload, dist.get_rank(group))
 
     def _master_for(self, shard: torch.Tensor) -> torch.Tensor:
         # Under NVMe the master is always a copy: it is swapped out between steps, the shard is not.

@@ -21,14 +21,13 @@ __all__ = [
 OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
-def build_optimizer_swapper(optimizer, masters, offload, rank: int) -> OptimizerSwapper:
-    """The NVMe optimizer tier for `masters`: its folder checked for room for each master and two
-    same-sized state tensors (Adam's moments) in fp32, 12 bytes per element."""
-    bytes_needed = 12 * sum(m.numel() for m in masters)
-    folder = SwapFolder(offload.nvme_path, "optimizer", rank, bytes_needed, OPTIMIZER_KEY)
+def build_optimizer_swapper(optimizer, numels: list[int], offload, rank: int) -> OptimizerSwapper:
+    """The NVMe optimizer tier for masters of `numels` elements (handed over with `adopt`): its folder is
+    checked for room for each master and two same-sized state tensors (Adam's moments) in fp32, 12 bytes
+    per element."""
+    folder = SwapFolder(offload.nvme_path, "optimizer", rank, 12 * sum(numels), OPTIMIZER_KEY)
     return OptimizerSwapper(
         optimizer,
-        masters,
         folder,
         AsyncFileIO(offload.aio),
         buffer_count=offload.buffer_count,

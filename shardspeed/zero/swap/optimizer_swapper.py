@@ -36,23 +36,32 @@ class OptimizerSwapper:
     """Swaps masters and their per-element optimizer state between memory and `folder`, sub-group by
     sub-group (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], folder: SwapFolder,
-                 io: AsyncFileIO, *, buffer_count: int = 4, pipeline_read: bool = False,
-                 pipeline_write: bool = False, pin_memory: bool = False):  # fmt: skip
-        self.optimizer, self.masters, self.io = optimizer, masters, io
+    def __init__(self, optimizer: torch.optim.Optimizer, folder: SwapFolder, io: AsyncFileIO, *,
+                 buffer_count: int = 4, pipeline_read: bool = False, pipeline_write: bool = False,
+                 pin_memory: bool = False):  # fmt: skip
+        self.optimizer, self.io = optimizer, io
+        self.masters: list[torch.Tensor] = []
         self.folder_files = folder
         self.buffer_count = max(1, buffer_count)
         self.pipeline_read = pipeline_read and self.buffer_count >= 2
         self.pipeline_write = pipeline_write and self.buffer_count >= 2
         self.pin = pin_memory
-        self.numels = [m.numel() for m in masters]
+        self.numels: list[int] = []
         self._keys: dict[int, list[tuple[str, torch.dtype]]] = {}  # index -> tensors on disk (in order)
         self._reads: dict[int, tuple[list[IoRequest], dict[str, torch.Tensor]]] = {}
         self._writes: OrderedDict[int, list[IoRequest]] = OrderedDict()
-        self._resident: set[int] = set(range(len(masters)))
-        for index in range(len(masters)):
-            self.swap_out(index, wait=False)
-        self.drain()
+        self._resident: set[int] = set()
+
+    def adopt(self, master: torch.Tensor) -> None:
+        """Take the next master (index = order of adoption) and send it to its file; at most
+        `buffer_count` writes are left in flight."""
+        index = len(self.masters)
+        self.masters.append(master)
+        self.numels.append(master.numel())
+        self._resident.add(index)
+        self.swap_out(index, wait=False)
+        while len(self._writes) > self.buffer_count:
+            self._wait_writes(next(iter(self._writes)))
 
     @property
     def folder(self):
