@@ -49,8 +49,8 @@ class HostGradients:
     Each shard is copied as soon as its reduction completes in the boundary backward (stages 2/3: bucket by
     bucket, overlapping the rest of backward; stage 1: at the end of backward), into a reused buffer —
     page-locked on CUDA so the device-to-host copy is asynchronous — and its squared norm is taken then, so
-    the step itself only waits for the copies and sums a few numbers. A shard already on the host in fp32
-    (a CPU-only fp32 run) is used where it is: no copy.
+    the step itself only waits for the copies and sums a few numbers. A shard already on the host (a CPU-only
+    run) is used where it is, in its own dtype: no copy, and no fp32 copy of every gradient at once.
     """
 
     def __init__(self, numels: list[int], host: torch.device, device: torch.device):
@@ -64,8 +64,8 @@ class HostGradients:
     def receive(self, index: int, shard: torch.Tensor) -> None:
         """Take bucket `index`'s final reduced gradient shard (call once per boundary backward)."""
         buffer = self._buffers[index]
-        if shard.device == buffer.device and shard.dtype == buffer.dtype:
-            grad = shard
+        if shard.device == buffer.device:
+            grad = shard  # already on the host: no copy (16-bit ones are up-cast one sub-group at a time)
         else:
             grad = buffer
             if shard.device != buffer.device and shard.dtype != buffer.dtype:

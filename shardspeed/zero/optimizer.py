@@ -168,30 +168,33 @@ class ZeroOptimizer(OptimizerWrapper):
 
     def _apply(self, multiplier: float) -> None:
         if self.host_grads is not None:
-            grads = self.host_grads.take()
-        else:  # a copy only across dtype (mixed precision)
-            grads = [g.to(m.dtype) for m, g in zip(self.masters, self.grads.flat_grads())]
-        with unscaled_in_kernel(self.optimizer, multiplier, grads):
-            if not self._step_per_bucket:
+            grads = self.host_grads.take()  # host shards: fp32, or a CPU-only 16-bit run's own dtype
+        else:
+            grads = self.grads.flat_grads()
+        if not self._step_per_bucket:
+            grads = [g.to(m.dtype) for m, g in zip(self.masters, grads)]  # a copy only across dtype
+            with unscaled_in_kernel(self.optimizer, multiplier, grads):
                 for master, grad in zip(self.masters, grads):
                     master.grad = grad
                 self.optimizer.step()
-                for index in range(len(self.masters)):
-                    self._bucket_stepped(index)
-            else:
-                # Bucket by bucket (the torch optimizer skips tensors without .grad): a stepped bucket's
-                # shard goes back to the device while the next one steps; under NVMe only the sub-groups
-                # in flight are in memory.
-                def step_one(index: int) -> None:
-                    self.masters[index].grad = grads[index]
+            for index in range(len(self.masters)):
+                self._bucket_stepped(index)
+        else:
+            # Bucket by bucket (the torch optimizer skips tensors without .grad): a stepped bucket's shard
+            # goes back to the device while the next one steps; under NVMe only the sub-groups in flight
+            # are in memory, and a 16-bit gradient is up-cast one sub-group at a time.
+            def step_one(index: int) -> None:
+                grad = grads[index].to(self.masters[index].dtype)
+                with unscaled_in_kernel(self.optimizer, multiplier, [grad]):
+                    self.masters[index].grad = grad
                     self.optimizer.step()
-                    self._bucket_stepped(index)
+                self._bucket_stepped(index)
 
-                if self.nvme is not None:
-                    self.nvme.step_each(step_one)
-                else:
-                    for index in range(len(grads)):
-                        step_one(index)
+            if self.nvme is not None:
+                self.nvme.step_each(step_one)
+            else:
+                for index in range(len(grads)):
+                    step_one(index)
         self._publish_shards()
 
     def _bucket_stepped(self, index: int) -> None:

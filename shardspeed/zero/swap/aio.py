@@ -28,6 +28,7 @@ import ctypes
 import errno
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -88,17 +89,21 @@ def _memory(tensor: torch.Tensor) -> memoryview:
 class IoRequest:
     """One read or write in flight; `wait()` returns when every piece is done (and re-raises its error)."""
 
-    def __init__(self, futures: list[Future], tensor: torch.Tensor, on_done=None):
+    def __init__(self, futures: list[Future], tensor: torch.Tensor, on_done=None, io=None):
         self._futures = futures
         self.tensor = tensor  # kept alive until the I/O has finished
         self._on_done = on_done
+        self._io = io  # its `seconds_waiting` counts the time callers spent blocked here
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
     def wait(self) -> torch.Tensor:
+        started = time.perf_counter()
         for future in self._futures:
             future.result()
+        if self._io is not None:
+            self._io.seconds_waiting += time.perf_counter() - started
         if self._on_done is not None:
             on_done, self._on_done = self._on_done, None
             on_done()
@@ -177,7 +182,7 @@ class AsyncFileIO:
             if direct is not None:
                 os.close(direct)
 
-        request = IoRequest(futures, tensor, on_done=close_files)
+        request = IoRequest(futures, tensor, on_done=close_files, io=self)
         if not self.settings.overlap_events:
             request.wait()
         return request
