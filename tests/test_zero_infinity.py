@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from common import base_config, engine_run, max_diff, reference_run
+from common import base_config, engine_run, full_params, max_diff, reference_run, train_engine
 from harness import run_ranks
+from models import TinyGPT, token_batches
 
 STEPS = 3
 OPTIONS = {"frozen": True, "groups": True}
@@ -208,3 +209,56 @@ def test_too_small_nvme_path_names_the_bytes_needed(tmp_path):
         ConfigError, match=rf"{key}: '.*' has [\d,]+ bytes free, NVMe offload needs 4,611,686,0"
     ):
         check_nvme_path(str(tmp_path), 2**62, key)
+
+
+def _save_resume(root: str, world: int) -> dict:
+    import copy
+
+    import torch.distributed as dist
+
+    import shardspeed
+
+    nvme = base_config(zero_optimization=_zero3("nvme", "nvme", f"{root}/swap"), **BF16)
+    plain = base_config(zero_optimization=_zero3(None, None, root), **BF16)
+
+    def engine_for(config):
+        torch.manual_seed(0)
+        engine, *_ = shardspeed.initialize(model=TinyGPT(), config=copy.deepcopy(config))
+        return engine
+
+    def accessors(engine) -> dict:
+        params = dict(engine.module.named_parameters())
+        return {
+            name: (shardspeed.zero.safe_get_full_fp32_param(p),
+                   shardspeed.zero.safe_get_full_optimizer_state(p, "exp_avg_sq"))
+            for name, p in params.items() if p.requires_grad
+        }  # fmt: skip
+
+    engine = engine_for(nvme)
+    data = token_batches(6, engine.train_batch_size())
+    rank = dist.get_rank()
+    train_engine(engine, data, range(3), rank, world)
+    engine.save_checkpoint(f"{root}/ckpt")
+    train_engine(engine, data, range(3, 6), rank, world)
+    out = {"uninterrupted": full_params(engine), "uninterrupted state": accessors(engine)}
+    engine.destroy()
+    for name, config in (("nvme", nvme), ("plain", plain)):
+        engine = engine_for(config)
+        engine.load_checkpoint(f"{root}/ckpt")
+        train_engine(engine, data, range(3, 6), rank, world)
+        out[name] = full_params(engine)
+        out[f"{name} state"] = accessors(engine)
+        engine.destroy()
+    return out
+
+
+def test_all_nvme_checkpoints_resume_exactly_and_accessors_read_swapped_state(tmp_path):
+    for out in run_ranks(_save_resume, 2, str(tmp_path), 2, timeout=300):
+        for name in ("nvme", "plain"):
+            assert max_diff(out[name], out["uninterrupted"]) == 0, name
+            for param, (master, moment) in out[f"{name} state"].items():
+                expected_master, expected_moment = out["uninterrupted state"][param]
+                assert master is not None and moment is not None, param
+                assert torch.equal(master, expected_master) and torch.equal(moment, expected_moment), param
+    for sub in ("optim", "params"):  # the nvme_path folders are left, empty
+        assert os.listdir(tmp_path / "swap" / sub) == []
