@@ -262,3 +262,32 @@ def test_all_nvme_checkpoints_resume_exactly_and_accessors_read_swapped_state(tm
                 assert torch.equal(master, expected_master) and torch.equal(moment, expected_moment), param
     for sub in ("optim", "params"):  # the nvme_path folders are left, empty
         assert os.listdir(tmp_path / "swap" / sub) == []
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"block_size": 4096, "queue_depth": 2, "thread_count": 1, "single_submit": True},
+        {"block_size": 10_000, "queue_depth": 3, "overlap_events": False},
+    ],
+)
+def test_async_file_io_round_trips_aligned_and_unaligned_tensors(tmp_path, settings):
+    from shardspeed.zero.swap.aio import AioSettings, AsyncFileIO, aligned_empty
+
+    io = AsyncFileIO(AioSettings(**settings))
+    sources = [torch.randn(3 * 1024 * 1024 + 5), torch.arange(1001, dtype=torch.int16), torch.randn(0)]
+    aligned = aligned_empty(sources[0].numel(), torch.float32)
+    aligned.copy_(sources[0])
+    sources.append(aligned)  # page-aligned: its whole blocks can go through O_DIRECT
+    writes = [io.write(t, str(tmp_path / f"{i}")) for i, t in enumerate(sources)]
+    for request in writes:
+        request.wait()
+    targets = [aligned_empty(t.numel(), t.dtype) for t in sources]
+    reads = [io.read(t, str(tmp_path / f"{i}")) for i, t in enumerate(targets)]
+    for request, source in zip(reads, sources):
+        assert torch.equal(request.wait(), source)
+    assert io.bytes_read == io.bytes_written == sum(t.numel() * t.element_size() for t in sources)
+    with pytest.raises(OSError, match="moved nothing"):
+        io.read(torch.empty(10), str(tmp_path / "2")).wait()  # the file holds no bytes
+    io.close()
