@@ -126,6 +126,8 @@ def _bad_nvme_path(path: str, world: int) -> None:
 def test_unusable_nvme_path_is_refused_naming_the_key(tmp_path):
     not_a_folder = tmp_path / "a-file"
     not_a_folder.write_text("keep me")
-    with pytest.raises(RankFailure, match=r"zero_optimization\.offload_optimizer\.nvme_path: cannot create"):
+    with pytest.raises(
+        RankFailure, match=r"zero_optimization\.offload_optimizer\.nvme_path: .* is not a directory"
+    ):
         run_ranks(_bad_nvme_path, 1, str(not_a_folder), 1)
     assert not_a_folder.read_text() == "keep me"

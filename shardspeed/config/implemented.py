@@ -28,7 +28,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         # gradients always live in contiguous buckets (contiguous_gradients), every rank owns a slice of
         # every bucket (round_robin_gradients' balance), one collective per bucket
         # (use_multi_rank_bucket_allreduce), and checkpoints always load at any world size
-        # (elastic_checkpoint). Parameter offload, ZeRO++, MiCS and the rest are accepted and warned about.
+        # (elastic_checkpoint). ZeRO++, MiCS and the rest are accepted and warned about.
         "zero_optimization.stage",
         "zero_optimization.contiguous_gradients",
         "zero_optimization.reduce_scatter",
@@ -50,6 +50,15 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_optimization.offload_optimizer.device",
         "zero_optimization.offload_optimizer.nvme_path",
         "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_optimizer.buffer_count",
+        "zero_optimization.offload_optimizer.pipeline_read",
+        "zero_optimization.offload_optimizer.pipeline_write",
+        "zero_optimization.offload_param",
+        "aio.block_size",
+        "aio.queue_depth",
+        "aio.intra_op_parallelism",
+        "aio.single_submit",
+        "aio.overlap_events",
         "data_types",
         "steps_per_print",
         "wall_clock_breakdown",

@@ -32,6 +32,8 @@ from shardspeed.utils.logging import log_dist
 from shardspeed.zero import init as zero_init
 from shardspeed.zero.offload import OptimizerOffload
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
+from shardspeed.zero.swap import AioSettings
+from shardspeed.zero.swap.param_swapper import build_param_tier
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -186,6 +188,12 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                 prefetch_numel=int(zero_cfg.stage3_prefetch_bucket_size),
                 max_live_numel=int(zero_cfg.stage3_max_live_parameters),
                 max_reuse_distance=int(zero_cfg.stage3_max_reuse_distance),
+                param_tier=build_param_tier(
+                    zero_cfg.offload_param,
+                    AioSettings.from_config(self._config.aio),
+                    self.module,
+                    self.dp_group,
+                ),
                 **common,
                 **comm,
             )
@@ -203,7 +211,10 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         block = self._config.zero_optimization.offload_optimizer
         if block is None or block.device == "none":
             return None
-        return OptimizerOffload(block.device, block.nvme_path, block.pin_memory)
+        return OptimizerOffload(
+            block.device, block.nvme_path, block.pin_memory, block.buffer_count, block.pipeline_read,
+            block.pipeline_write, AioSettings.from_config(self._config.aio),
+        )  # fmt: skip
 
     def _stage3_unit_numel(self, sub_group_numel: int) -> int:
         """Largest unit gathered whole: the prefetch/bucket/sub-group sizes, and at most a quarter of the
@@ -433,8 +444,8 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         self.observers.close()
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
-            if getattr(self.optimizer, "nvme", None) is not None:
-                self.optimizer.nvme.close()
+            if hasattr(self.optimizer, "close_offload"):
+                self.optimizer.close_offload()
 
 
 def _replica_group(mpu):

@@ -56,7 +56,8 @@ def measure(engine) -> ModelStateBytes:
     if wrapper is None:
         return result
     if wrapper.zero_stage == 3:  # released parameters are empty: their memory is the shards
-        result.params += _bytes([u.shard for u in wrapper.coordinator.units], seen)
+        shards = [u.shard_in_memory() for u in wrapper.coordinator.units]  # offloaded ones are not here
+        result.params += _bytes([s for s in shards if s is not None], seen)
     if wrapper.zero_stage == 0:
         result.grads = _bytes([b.buffer for b in wrapper.reducer.buckets], seen)
         masters = wrapper.master_flats

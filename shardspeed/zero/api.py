@@ -90,7 +90,9 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     wrapper, index = owner
     if index is None:  # stage 0: masters are full already
         return wrapper.masters.get(param, param.detach()).float().clone()
-    return _param_slice(wrapper, index, param, _full_from_shards(wrapper, index, wrapper.masters[index]))
+    with wrapper._resident_state([index]):  # NVMe offload: the master is read back for the duration
+        master = wrapper.masters[index].clone()
+    return _param_slice(wrapper, index, param, _full_from_shards(wrapper, index, master))
 
 
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -105,11 +107,12 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
         return
     bucket = wrapper.buckets[index]
     i = next(k for k, p in enumerate(bucket.params) if p is param)
-    for j, _, in_param, in_shard, length in bucket.fragments():
-        if j == i:
-            piece = value.reshape(-1)[in_param : in_param + length]
-            wrapper.masters[index][in_shard : in_shard + length].copy_(piece)
-            bucket.shard[in_shard : in_shard + length].copy_(piece)
+    with wrapper._resident_state([index]):  # NVMe offload: written back to its file on exit
+        for j, _, in_param, in_shard, length in bucket.fragments():
+            if j == i:
+                piece = value.reshape(-1)[in_param : in_param + length]
+                wrapper.masters[index][in_shard : in_shard + length].copy_(piece)
+                bucket.shard[in_shard : in_shard + length].copy_(piece)
     wrapper._publish_shards()
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from shardspeed.comm.collectives import all_gather_flat
 
 _active = 0  # nesting depth of Init contexts
+_remote = None  # the outermost active context's RemoteTier (re-partitioning after `apply` uses it too)
 _originals: dict[type, object] = {}
 
 
@@ -46,7 +47,7 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
     """The parameter's full value (an all-gather of the chunks if it is partitioned; collective)."""
     if not is_partitioned(param):
         return param.detach()
-    shard, group = param._zero_init_shard, param._zero_init_group
+    shard, group = param._zero_init_shard.to(param.device), param._zero_init_group  # from a remote tier
     full = torch.empty(shard.numel() * dist.get_world_size(group), dtype=shard.dtype, device=shard.device)
     all_gather_flat(full, shard, group=group)
     return full[: logical_numel(param)].view(logical_shape(param)).to(param.dtype)
@@ -83,7 +84,7 @@ def release(param: torch.Tensor, modifier_rank: int | None) -> None:
     param.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
 
 
-def _partition(param: nn.Parameter, group, dtype: torch.dtype | None) -> None:
+def _partition(param: nn.Parameter, group, dtype: torch.dtype | None, remote=None) -> None:
     if is_partitioned(param):
         return
     data = param.data.to(dtype) if dtype is not None and param.is_floating_point() else param.data
@@ -94,14 +95,68 @@ def _partition(param: nn.Parameter, group, dtype: torch.dtype | None) -> None:
     shard = torch.zeros(chunk, dtype=data.dtype, device=data.device)
     mine = data.reshape(-1)[rank * chunk : (rank + 1) * chunk]
     shard[: mine.numel()].copy_(mine)
+    if remote is not None:
+        shard = remote.place(shard)
     param._zero_init_shard, param._zero_init_shape, param._zero_init_group = shard, tuple(data.shape), group
     param.ds_numel, param.ds_shape = data.numel(), data.shape  # DeepSpeed's names (see param_units.py)
     param.data = torch.empty(0, dtype=data.dtype, device=data.device)
 
 
-def _partition_module(module: nn.Module, group, dtype, recurse: bool) -> None:
+def _partition_module(module: nn.Module, group, dtype, recurse: bool, remote=None) -> None:
     for p in module.parameters(recurse=recurse):
-        _partition(p, group, dtype)
+        _partition(p, group, dtype, remote)
+
+
+class RemoteTier:
+    """`remote_device`: where chunks go once partitioned. "cpu": host memory (page-locked with `pin_memory`
+    on CUDA). "nvme": a file under the config's `offload_param.nvme_path`, memory-mapped — the chunk's
+    pages are read from the file when touched and the kernel may drop them again, so a model larger than
+    memory can be built. The file is unlinked right after mapping: its space is freed with the mapping, and
+    nothing is left behind whatever happens to the process."""
+
+    def __init__(self, device: str, pin_memory: bool, config):
+        if device not in ("cpu", "nvme"):
+            raise ValueError(f"zero.Init: remote_device must be None, 'cpu' or 'nvme', got {device!r}")
+        self.device, self.pin = device, pin_memory and torch.cuda.is_available()
+        self.folder = None
+        if device == "nvme":
+            import os
+            import tempfile
+
+            path = _nvme_path_from_config(config)
+            self.folder = tempfile.mkdtemp(prefix=f"shardspeed-swap-{os.getpid()}-init-", dir=path)
+            os.rmdir(self.folder)  # only a unique name prefix is needed: files are unlinked once mapped
+        self._count = 0
+
+    def place(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.device == "cpu":
+            host = shard.to("cpu")
+            return host.pin_memory() if self.pin else host
+        import os
+
+        from shardspeed.zero.swap.aio import write_file
+
+        path = f"{self.folder}-{self._count}"
+        self._count += 1
+        write_file(shard.to("cpu").contiguous(), path)
+        try:
+            return torch.from_file(path, shared=True, size=shard.numel(), dtype=shard.dtype)
+        finally:
+            os.unlink(path)
+
+
+def _nvme_path_from_config(config) -> str:
+    from shardspeed.config.loader import read_config_source
+    from shardspeed.zero.swap.folder import check_nvme_path
+
+    raw = read_config_source(config.raw if hasattr(config, "raw") else config) if config is not None else {}
+    block = (raw.get("zero_optimization") or {}).get("offload_param") or {}
+    if not block.get("nvme_path"):
+        raise ValueError(
+            "zero.Init(remote_device='nvme') needs config_dict_or_path with "
+            "zero_optimization.offload_param.nvme_path"
+        )
+    return str(check_nvme_path(block["nvme_path"], 0, "zero_optimization.offload_param.nvme_path"))
 
 
 class Init:
@@ -122,14 +177,17 @@ class Init:
             mpu.get_data_parallel_group() if mpu is not None else None
         )  # fmt: skip
         self.dtype = dtype or _dtype_from_config(config_dict_or_path or config)
+        self.remote = None if remote_device in (None, "none") else (
+            RemoteTier(remote_device, pin_memory, config_dict_or_path or config)
+        )  # fmt: skip
         if module is not None:
-            _partition_module(module, self.group, self.dtype, recurse=True)
+            _partition_module(module, self.group, self.dtype, recurse=True, remote=self.remote)
 
     def __enter__(self):
         global _active
         if self.enabled:
             if _active == 0:
-                _install(self.group, self.dtype)
+                _install(self.group, self.dtype, self.remote)
             _active += 1
         return self
 
@@ -163,7 +221,7 @@ def _init_owner(cls: type) -> type:
     return next(c for c in cls.__mro__ if "__init__" in c.__dict__)
 
 
-def _wrap(cls: type, group, dtype) -> None:
+def _wrap(cls: type, group, dtype, remote) -> None:
     original = cls.__dict__.get("__init__")
     if original is None or cls in _originals:
         return
@@ -172,7 +230,7 @@ def _wrap(cls: type, group, dtype) -> None:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if _active and _init_owner(type(self)) is cls:  # the most-derived __init__ has finished
-            _partition_module(self, group, dtype, recurse=False)
+            _partition_module(self, group, dtype, recurse=False, remote=remote)
 
     _originals[cls] = original
     cls.__init__ = __init__
@@ -186,12 +244,14 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
-def _install(group, dtype) -> None:
+def _install(group, dtype, remote) -> None:
+    global _remote
+    _remote = remote
     for cls in [nn.Module, *_subclasses(nn.Module)]:
-        _wrap(cls, group, dtype)
+        _wrap(cls, group, dtype, remote)
 
     def init_subclass(cls, **kwargs):
-        _wrap(cls, group, dtype)
+        _wrap(cls, group, dtype, remote)
 
     _originals["__init_subclass__"] = nn.Module.__dict__.get("__init_subclass__")
     nn.Module.__init_subclass__ = classmethod(init_subclass)
@@ -200,6 +260,8 @@ def _install(group, dtype) -> None:
 
 
 def _uninstall() -> None:
+    global _remote
+    _remote = None
     original_apply = _originals.pop("apply")
     nn.Module.apply = original_apply
     original_subclass = _originals.pop("__init_subclass__")
@@ -222,5 +284,5 @@ def _gathering_apply(self: nn.Module, fn):
         materialize(p)
     fn(self)
     for p, group in zip(partitioned, groups):
-        _partition(p, group, None)
+        _partition(p, group, None, _remote)
     return self

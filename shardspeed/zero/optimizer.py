@@ -31,9 +31,10 @@ from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.placement import place_optimizer_state
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan, unscaled_in_kernel
 from shardspeed.zero.flat_params import FlatParamBucket
-from shardspeed.zero.offload import HostGradients, NvmeOptimizerState, OptimizerOffload
+from shardspeed.zero.offload import HostGradients, OptimizerOffload
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units
+from shardspeed.zero.swap import build_optimizer_swapper
 
 
 def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[FlatParamBucket]:
@@ -78,7 +79,23 @@ class ZeroOptimizer(OptimizerWrapper):
         self.grad_norm: float | None = None
         # The optimizer steps one tensor per bucket: a fp32 copy of the shard, or the shard itself in fp32
         # training when the optimizer runs where the shard lives.
-        self.masters = [self._master_for(b.shard) for b in buckets]
+        # Under NVMe offload each master goes to its file as soon as it is made (and, with parameter offload,
+        # each shard back home), so building them never holds the whole model.
+        nvme = offload is not None and offload.device == "nvme"
+        self.nvme = None
+        if nvme:
+            numels = [b.shard_numel for b in buckets]
+            self.nvme = build_optimizer_swapper(optimizer, numels, offload, dist.get_rank(group))
+        self.masters = []
+        for bucket in buckets:
+            master = self._master_for(bucket.shard)
+            if stage == 3:
+                bucket.evict()
+            if self.nvme is not None:
+                self.nvme.adopt(master)
+            self.masters.append(master)
+        if self.nvme is not None:
+            self.nvme.drain()
         for index, bucket in enumerate(buckets):
             for p in bucket.params:
                 p._shardspeed_zero = (self, index)  # found by the zero.safe_get_* accessors
@@ -89,33 +106,31 @@ class ZeroOptimizer(OptimizerWrapper):
             others = [p for p in group_dict["params"] if id(p) not in managed]
             mine = [m for m, b in zip(self.masters, buckets) if b.group_index == group_index]
             group_dict["params"] = mine + others
-        self.nvme = None
-        if offload is not None and offload.device == "nvme":
-            self.nvme = NvmeOptimizerState(optimizer, self.masters, offload.nvme_path, dist.get_rank(group))
         self.host_grads = None
         self._boundary = True
         # One optimizer call per bucket only where it buys something: NVMe (one bucket's state resident) or
         # masters off the device (each bucket's copy back overlaps the next bucket's step).
-        self._step_per_bucket = self.nvme is not None or any(
-            m.device != b.shard.device for m, b in zip(self.masters, buckets)
-        )
+        self._step_per_bucket = nvme or any(m.device != b.device for m, b in zip(self.masters, buckets))
         if offload is not None and buckets:
-            self.host_grads = HostGradients(self.masters, buckets[0].shard.device)
+            self.host_grads = HostGradients([b.shard_numel for b in buckets], offload.host, buckets[0].device)
             if hasattr(grads, "on_shard_final"):  # stages 2/3: per bucket, during backward
                 grads.on_shard_final = self.host_grads.receive
 
     def _master_for(self, shard: torch.Tensor) -> torch.Tensor:
-        if self.offload is not None and (self.plan.mixed or shard.device != self.offload.host):
+        # Under NVMe the master is always a copy: it is swapped out between steps, the shard is not.
+        nvme = self.offload is not None and self.offload.device == "nvme"
+        if self.offload is not None and (nvme or self.plan.mixed or shard.device != self.offload.host):
             return self.offload.place_master(shard)
         return shard.float().clone() if self.plan.mixed else shard
 
-    def _resident_state(self):
-        """A context in which every master's optimizer state is in memory (NVMe offload swaps it out)."""
-        return self.nvme.resident() if self.nvme is not None else contextlib.nullcontext()
+    def _resident_state(self, indices=None):
+        """A context in which the masters `indices` (default all) and their optimizer state are in memory
+        (NVMe offload swaps them out)."""
+        return self.nvme.resident(indices) if self.nvme is not None else contextlib.nullcontext()
 
     def shard_state(self, index: int) -> dict:
         """The optimizer state of bucket `index`'s shard (a copy read from disk under NVMe offload)."""
-        with self._resident_state():
+        with self._resident_state([index]):
             return {
                 k: v.clone() if torch.is_tensor(v) else v
                 for k, v in self.optimizer.state.get(self.masters[index], {}).items()
@@ -153,28 +168,33 @@ class ZeroOptimizer(OptimizerWrapper):
 
     def _apply(self, multiplier: float) -> None:
         if self.host_grads is not None:
-            grads = self.host_grads.take()
-        else:  # a copy only across dtype (mixed precision)
-            grads = [g.to(m.dtype) for m, g in zip(self.masters, self.grads.flat_grads())]
-        with unscaled_in_kernel(self.optimizer, multiplier, grads):
-            if not self._step_per_bucket:
+            grads = self.host_grads.take()  # host shards: fp32, or a CPU-only 16-bit run's own dtype
+        else:
+            grads = self.grads.flat_grads()
+        if not self._step_per_bucket:
+            grads = [g.to(m.dtype) for m, g in zip(self.masters, grads)]  # a copy only across dtype
+            with unscaled_in_kernel(self.optimizer, multiplier, grads):
                 for master, grad in zip(self.masters, grads):
                     master.grad = grad
                 self.optimizer.step()
-                for index in range(len(self.masters)):
-                    self._bucket_stepped(index)
-            else:
-                # Bucket by bucket (the torch optimizer skips tensors without .grad): a stepped bucket's
-                # shard goes back to the device while the next one steps; under NVMe only the stepping
-                # bucket's state is in memory.
-                for index, grad in enumerate(grads):
-                    if self.nvme is not None:
-                        self.nvme.swap_in(index)
+            for index in range(len(self.masters)):
+                self._bucket_stepped(index)
+        else:
+            # Bucket by bucket (the torch optimizer skips tensors without .grad): a stepped bucket's shard
+            # goes back to the device while the next one steps; under NVMe only the sub-groups in flight
+            # are in memory, and a 16-bit gradient is up-cast one sub-group at a time.
+            def step_one(index: int) -> None:
+                grad = grads[index].to(self.masters[index].dtype)
+                with unscaled_in_kernel(self.optimizer, multiplier, [grad]):
                     self.masters[index].grad = grad
                     self.optimizer.step()
-                    self._bucket_stepped(index)
-                    if self.nvme is not None:
-                        self.nvme.swap_out(index)
+                self._bucket_stepped(index)
+
+            if self.nvme is not None:
+                self.nvme.step_each(step_one)
+            else:
+                for index in range(len(grads)):
+                    step_one(index)
         self._publish_shards()
 
     def _bucket_stepped(self, index: int) -> None:
@@ -187,6 +207,8 @@ class ZeroOptimizer(OptimizerWrapper):
             bucket.shard.copy_(master.to(bucket.shard.device, non_blocking=True))
         elif master is not bucket.shard:
             bucket.shard.copy_(master)
+        if self.coordinator is not None:
+            bucket.evict()  # parameter offload: the updated shard goes home now, not all at the end
 
     def _publish_shards(self) -> None:
         """Make updated shards visible: stage 1/2 all-gather every bucket now; stage 3 gathers on use."""
@@ -213,17 +235,27 @@ class ZeroOptimizer(OptimizerWrapper):
         if self.coordinator is not None:
             self.coordinator.remove_hooks()
 
+    def close_offload(self) -> None:
+        """Delete this rank's NVMe swap files (optimizer state and parameter shards)."""
+        if self.nvme is not None:
+            self.nvme.close()
+        tier = getattr(self.coordinator, "tier", None)
+        if tier is not None:
+            tier.close()
+
     def _refresh_master(self, index: int):
         def refresh() -> None:
             if self.masters[index] is not self.buckets[index].shard:
-                self.masters[index].copy_(self.buckets[index].shard)
+                with self._resident_state([index]):
+                    self.masters[index].copy_(self.buckets[index].shard)
 
         return refresh
 
     def refresh_masters_from_module(self) -> None:
-        for master, bucket in zip(self.masters, self.buckets):
-            if master is not bucket.shard:
-                master.copy_(bucket.shard)
+        with self._resident_state():
+            for master, bucket in zip(self.masters, self.buckets):
+                if master is not bucket.shard:
+                    master.copy_(bucket.shard)
 
     # -- state: this rank's shards plus the layout needed to find every parameter in them -----------------
 
@@ -238,8 +270,9 @@ class ZeroOptimizer(OptimizerWrapper):
             "world_size": dist.get_world_size(self.group),
             "rank": dist.get_rank(self.group),
             "buckets": [b.layout() for b in self.buckets],
-            # clone: in fp32 a master is a view into the whole bucket, and torch.save writes whole storages
-            "fp32_shards": [m.clone() if m._base is not None else m for m in self.masters],
+            # clone: in fp32 a master is a view into the whole bucket, and torch.save writes whole storages;
+            # under NVMe offload the masters are emptied again when the resident context ends
+            "fp32_shards": [m.clone() if m._base is not None or self.nvme else m for m in self.masters],
             # copies: under NVMe offload the resident tensors are dropped again when the context ends
             "optimizer_states": [dict(self.optimizer.state.get(m, {})) for m in self.masters],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]],
@@ -258,10 +291,11 @@ class ZeroOptimizer(OptimizerWrapper):
         """Restore this rank's shards; with `load_optimizer_states=False` only the fp32 weights."""
         if [b.layout() for b in self.buckets] != state["buckets"]:
             raise ValueError("the saved ZeRO partition layout differs from this engine's")
-        for master, saved, bucket in zip(self.masters, state["fp32_shards"], self.buckets):
-            master.copy_(saved)
-            if master is not bucket.shard:
-                bucket.shard.copy_(master)
+        with self._resident_state():
+            for master, saved, bucket in zip(self.masters, state["fp32_shards"], self.buckets):
+                master.copy_(saved)
+                if master is not bucket.shard:
+                    bucket.shard.copy_(master)
         frozen = self._frozen_units()
         if [u.layout() for u in frozen] != state.get("frozen_buckets", []):
             raise ValueError("the saved frozen-parameter partition layout differs from this engine's")
@@ -391,7 +425,7 @@ def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, al
 def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int, persistence_threshold: int,
                  model_persistence_threshold: int, prefetch_numel: int, max_live_numel: int,
                  max_reuse_distance: int, plan, scaler, gradient_clipping, group=None, offload=None,
-                 **reduce_options) -> ZeroOptimizer:  # fmt: skip
+                 param_tier=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
     """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm."""
     names = {p: n for n, p in module.named_parameters()}
     units = build_units(
@@ -402,6 +436,7 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         persistence_threshold=persistence_threshold,
         model_persistence_threshold=model_persistence_threshold,
         group=group,
+        tier=param_tier,
     )
     coordinator = Stage3Coordinator(
         module,
@@ -409,6 +444,7 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         prefetch_numel=prefetch_numel,
         max_live_numel=max_live_numel,
         max_reuse_distance=max_reuse_distance,
+        tier=param_tier,
     )
     trainable = [u for u in units if u.group_index is not None]
     grads = ShardedGradReducer(
@@ -419,7 +455,10 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         on_grads_staged=coordinator.on_unit_grads_staged,
         **reduce_options,
     )
-    return ZeroOptimizer(
+    wrapper = ZeroOptimizer(
         optimizer, list(reversed(trainable)), grads, stage=3, plan=plan, scaler=scaler,
         gradient_clipping=gradient_clipping, group=group, coordinator=coordinator, offload=offload,
     )  # fmt: skip
+    for unit in units:
+        unit.evict()  # building the masters read every offloaded shard once
+    return wrapper

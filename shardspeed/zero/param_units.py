@@ -33,7 +33,7 @@ class ParamUnit(FlatParamBucket):
     """A flat bucket whose full buffer exists only while gathered; the shard has its own storage."""
 
     def __init__(self, module: nn.Module, params, names, group_index, world, rank, group, persistent: bool,
-                 live: LiveNumel | None = None):  # fmt: skip
+                 live: LiveNumel | None = None, tier=None):  # fmt: skip
         super().__init__(params, names, group_index, world, rank)
         self.live = live if live is not None else LiveNumel()
         self._counted = False  # this unit's full buffer is included in live.numel
@@ -52,12 +52,48 @@ class ParamUnit(FlatParamBucket):
             p.ds_numel, p.ds_shape = numel, torch.Size(shape)
         self._work = None
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        # Parameter offload (swap/param_swapper.py): between uses the shard lives in its home on the tier.
+        # Persistent units stay gathered anyway, so they keep their shard where it is.
+        self._home = None
+        self._dirty = False  # the shard may differ from its home copy
+        if tier is not None and not persistent:
+            self._home = tier.home_for(self._shard, f"{names[0]}.{group_index}")
+            self._shard = None
         if not persistent:
             self.free()
 
     @property
     def shard(self) -> torch.Tensor:
+        """This rank's shard, loaded from its offload home if need be. Whoever asks for it may write it
+        (optimizer step, checkpoint load, GatheredParameters), so it is written home at the next release."""
+        if self._home is not None:
+            self._dirty = True
+        return self._resident_shard()
+
+    def _resident_shard(self) -> torch.Tensor:
+        if self._shard is None:
+            self._shard = self._home.load()
         return self._shard
+
+    def shard_in_memory(self) -> torch.Tensor | None:
+        """The shard if it is in memory now, else None (memory accounting must not load it)."""
+        return self._shard
+
+    def prefetch_shard(self) -> bool:
+        """Start bringing an offloaded shard in ahead of its gather; False when the read-ahead budget is full."""
+        if self._home is None or self._shard is not None:
+            return True
+        return self._home.prefetch()
+
+    def evict(self) -> None:
+        """Send an offloaded shard back to its home (written only if it may have changed)."""
+        if self._home is None or self._shard is None:
+            return
+        if self._dirty:
+            self._home.store(self._shard)
+            self._dirty = False
+        self._home.drop()
+        self._shard = None
 
     @property
     def gathered(self) -> bool:
@@ -70,7 +106,7 @@ class ParamUnit(FlatParamBucket):
             if not self.persistent:
                 self.live.numel += self.padded_numel
                 self._counted = True
-            self._work = all_gather_flat(self.flat, self._shard, group=self.group, async_op=True)
+            self._work = all_gather_flat(self.flat, self._resident_shard(), group=self.group, async_op=True)
         if not async_op:
             self.wait()
 
@@ -79,6 +115,8 @@ class ParamUnit(FlatParamBucket):
             self._work.wait()
             self._work = None
             self.bind()
+            if not self._dirty:
+                self.evict()  # an unchanged offloaded shard is not needed while its unit is gathered
 
     def free(self) -> None:
         """Drop the full buffer; parameters become empty until the next gather."""
@@ -91,6 +129,7 @@ class ParamUnit(FlatParamBucket):
         if self._counted:
             self.live.numel -= self.padded_numel
             self._counted = False
+        self.evict()
 
     def refresh(self) -> None:
         """After an optimizer step: persistent units re-gather their updated values, others stay released."""

@@ -46,8 +46,10 @@ class Stage3Coordinator:
     """Gathers and releases parameter units around each module's forward and backward."""
 
     def __init__(self, root: nn.Module, units: list[ParamUnit], *, prefetch_numel: int = 50_000_000,
-                 max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000):  # fmt: skip
+                 max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
+                 tier=None):  # fmt: skip
         self.units = units
+        self.tier = tier  # parameter offload (swap/param_swapper.py), or None
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
@@ -199,10 +201,19 @@ class Stage3Coordinator:
             self._seen.add(id(unit))
             self._this_step.append(unit)
 
+    def _read_ahead(self, position: int, step: int) -> None:
+        """Parameter offload: start reading the shards of the units that come next, as far as the tier's
+        buffer budget allows (reads run ahead of the gathers, which need the shards in memory)."""
+        index = position + step
+        while 0 <= index < len(self.order) and self.order[index].prefetch_shard():
+            index += step
+
     def _prefetch_after(self, unit: ParamUnit, step: int) -> None:
         """Start gathering the units that followed (forward, step 1) or preceded (backward, step -1) `unit`
         last step, up to `prefetch_numel` elements ahead and within the live budget."""
         position = self._position.get(id(unit))
+        if self.tier is not None and position is not None:
+            self._read_ahead(position, step)
         if not self.prefetch_numel or position is None:
             return
         ahead = 0
@@ -278,7 +289,7 @@ class _GatheringParameters(dict):
 
 
 def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, persistence_threshold: int,
-                model_persistence_threshold: int, group) -> list[ParamUnit]:  # fmt: skip
+                model_persistence_threshold: int, group, tier=None) -> list[ParamUnit]:  # fmt: skip
     """One ParamUnit per (unit root, optimizer group); parameters outside every group form frozen units.
 
     A unit of at most `persistence_threshold` elements stays gathered, while the persistent units' total
@@ -303,5 +314,5 @@ def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, p
             )
             persistent_numel += numel if persistent else 0
             unit_names = [names[p] for p in members]
-            units.append(ParamUnit(root, members, unit_names, gi, world, rank, group, persistent, live))
+            units.append(ParamUnit(root, members, unit_names, gi, world, rank, group, persistent, live, tier))
     return units
