@@ -24,7 +24,9 @@ class Expert(nn.Module):
 class TinyMoE(nn.Module):
     """in-projection -> MoE -> head; the loss adds the load-balancing loss."""
 
-    def __init__(self, ep_size: int, k: int, drop_tokens: bool, capacity_factor: float = 1.0, ckpt=False):
+    def __init__(
+        self, ep_size: int, k: int, drop_tokens: bool, capacity_factor: float = 1.0, ckpt=False, aux=0.01
+    ):
         super().__init__()
         self.inp = nn.Linear(D, D)
         self.moe = MoE(D, Expert(), num_experts=EXPERTS, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
@@ -32,6 +34,7 @@ class TinyMoE(nn.Module):
                        top2_2nd_expert_sampling=False)  # fmt: skip
         self.head = nn.Linear(D, D)
         self.ckpt = ckpt
+        self.aux = aux
 
     def forward(self, x, y):
         h = torch.tanh(self.inp(x))
@@ -41,7 +44,7 @@ class TinyMoE(nn.Module):
             out, l_aux, _ = checkpointing.checkpoint(self.moe, h)
         else:
             out, l_aux, _ = self.moe(h)
-        return ((self.head(h + out) - y) ** 2).mean() + 0.01 * l_aux
+        return ((self.head(h + out) - y) ** 2).mean() + self.aux * l_aux
 
 
 def build(ep_size: int, ep_rank: int, k: int, drop: bool, **kw) -> TinyMoE:
