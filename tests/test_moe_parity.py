@@ -68,7 +68,33 @@ def _all_cases():
     results = {case: _train_ep2(*case) for case in CASES}
     results["ckpt"] = _train_ep2(2, 2, True, ckpt=True)  # activation-checkpointed MoE block, ZeRO-2
     results["routing"] = {(k, drop): _routing_first_batch(k, drop) for k in (1, 2) for drop in (True, False)}
+    results["groups"] = _group_answers()
+    try:  # ep_size 4 does not divide the 2 data-parallel ranks
+        model = build(4, 0, 1, True)
+        shardspeed.initialize(
+            model=model, optimizer=torch.optim.Adam(model.parameters()), config={"train_batch_size": 2}
+        )
+        results["ep4_error"] = None
+    except ValueError as err:
+        results["ep4_error"] = str(err)
     return results
+
+
+def _group_answers():
+    import torch.distributed as dist
+
+    from shardspeed.utils import groups
+
+    name = "ep_size_2"
+    return (
+        groups._get_expert_parallel_world_size(name),
+        groups._get_expert_parallel_rank(name),
+        dist.get_process_group_ranks(groups._get_expert_parallel_group(name)),
+        groups._get_expert_data_parallel_world_size(name),
+        dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name)),
+        groups._get_expert_broadcast_src_rank(name),
+        groups._get_max_expert_size_name(),
+    )
 
 
 def _merge(per_rank: list[dict]) -> dict:
@@ -98,6 +124,9 @@ def test_ep2_matches_ep1_reference_every_stage():
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=f"checkpointed MoE: {name}")
     _check_routing(ranks)
+    for rank, r in enumerate(ranks):  # deepspeed.utils.groups answers from the groups initialize built
+        assert r["groups"] == (2, rank, [0, 1], 1, [rank], rank, "ep_size_2")
+        assert "ep_size=4 must divide the data-parallel world size 2" in r["ep4_error"]
 
 
 def _check_routing(ranks):
