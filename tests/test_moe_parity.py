@@ -42,22 +42,15 @@ def _train_ep2(stage: int, k: int, drop: bool, ckpt: bool = False):
 
 
 def _routing_first_batch(k: int, drop: bool):
-    """l_aux and exp_counts of this rank's first micro-batch at ep 2."""
+    """l_aux and exp_counts of this rank's first micro-batch at ep 2 (the layer alone, no engine)."""
     import torch.distributed as dist
-
-    import shardspeed
 
     rank = dist.get_rank()
     model = build(2, rank, k, drop)
-    engine, *_ = shardspeed.initialize(
-        model=model,
-        optimizer=torch.optim.Adam(model.parameters()),
-        config={"train_micro_batch_size_per_gpu": MICRO},
-    )
+    model.moe.set_deepspeed_parallelism()  # the groups over the world, as without an engine
     xs, _ = data(1, MICRO * 2)
-    h = torch.tanh(engine.module.inp(xs[0, rank * MICRO : (rank + 1) * MICRO]))
-    _, l_aux, counts = engine.module.moe(h)
-    engine.destroy()
+    h = torch.tanh(model.inp(xs[0, rank * MICRO : (rank + 1) * MICRO]))
+    _, l_aux, counts = model.moe(h)
     return h.detach(), l_aux.detach(), counts
 
 

@@ -165,7 +165,13 @@ def load_moe(engine, path, state: dict, strict: bool, load_optimizer: bool) -> b
     if "moe_layout" not in state:
         raise CheckpointError(f"checkpoint {path} was not saved from a model with MoE layers")
     same = state["moe_layout"] == moe_layout(engine)
-    if same:
+    if engine.optimizer is None:  # weights only: dense ones from the model file, experts by global index
+        if state.get("zero_stage") == 3 or engine.zero_optimization_stage() == 3:
+            raise CheckpointError(
+                f"checkpoint {path}: loading MoE weights without an optimizer needs ZeRO < 3"
+            )
+        _load_weights(engine, path, {**state["module"], **_expert_values(engine, path)}, strict)
+    elif same:
         _load_same_layout(engine, path, state, strict, load_optimizer)
     else:
         _load_any_layout(engine, path, state, strict, load_optimizer)
@@ -189,20 +195,22 @@ def _expert_values(engine, path) -> dict:
     return values
 
 
-def _load_same_layout(engine, path, state, strict, load_optimizer) -> None:
-    module_state = dict(state["module"])
-    stage3 = engine.zero_optimization_stage() == 3
-    if not stage3:
-        module_state.update(_expert_values(engine, path))
+def _load_weights(engine, path, module_state: dict, strict: bool, params_elsewhere: bool = False) -> None:
     params = {n for n, _ in engine.module.named_parameters()}
     missing, unexpected = engine.module.load_state_dict(module_state, strict=False)
-    missing = [k for k in missing if not (stage3 and k in params)]
+    missing = [k for k in missing if not (params_elsewhere and k in params)]
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}"
         )
-    if engine.optimizer is None:
-        return
+
+
+def _load_same_layout(engine, path, state, strict, load_optimizer) -> None:
+    module_state = dict(state["module"])
+    stage3 = engine.zero_optimization_stage() == 3  # parameters come from the optimizer's shards
+    if not stage3:
+        module_state.update(_expert_values(engine, path))
+    _load_weights(engine, path, module_state, strict, params_elsewhere=stage3)
     if not (load_optimizer or stage3):
         engine.optimizer.refresh_masters_from_module()
         return
