@@ -10,12 +10,12 @@ from moe_common import EXPERTS, LR, build, data, full_state
 STEPS = 4  # two before the save, two after
 
 
-def _engine(stage: int, ep: int, micro: int, **config):
+def _engine(stage: int, ep: int, micro: int, **zero):
     import shardspeed
 
     model = build(ep, _ep_rank(ep), 2, False, aux=0.0)  # top-2, no dropping: routing is per token
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}, **config}  # fmt: skip
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero}}  # fmt: skip
     engine, *_ = shardspeed.initialize(
         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR), config=cfg
     )
@@ -92,6 +92,11 @@ def _load_elsewhere(root: str):
     _train(engine, range(1), 1)
     out["memory"] = (engine.memory_breakdown()["optimizer_state"], dense_numel, expert_numel)
     engine.destroy()
+    # ZeRO-3: parameters too are divided, experts over their 2-rank group (none kept gathered)
+    engine = _engine(3, 2, 1, stage3_param_persistence_threshold=0)
+    _train(engine, range(1), 1)
+    out["memory3"] = engine.memory_breakdown()
+    engine.destroy()
     return out
 
 
@@ -142,3 +147,7 @@ def test_moe_checkpoint_resume_and_reshard(tmp_path):
     measured, dense, experts = elsewhere[0]["memory"]
     formula = 8 * (dense / 4 + experts / 2)
     assert formula <= measured <= formula + 8 * 3 * 40 + 4 * 40, (measured, formula)
+    stage3 = elsewhere[0]["memory3"]
+    formula = 4 * (dense / 4 + experts / 2)  # fp32 parameter shards (gathered ones are released)
+    assert formula <= stage3["params"] <= formula + 4 * 3 * 40, (stage3, formula)
+    assert 2 * formula <= stage3["optimizer_state"] <= 2 * formula + 8 * 3 * 40 + 4 * 40, (stage3, formula)

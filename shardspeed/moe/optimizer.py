@@ -53,6 +53,8 @@ class ExpertParallelOptimizer(OptimizerWrapper):
         self.zero_stage = domains[0].wrapper.zero_stage
         self.overflow = False
         self.grad_norm: float | None = None
+        coordinators = [d.wrapper.coordinator for d in domains if getattr(d.wrapper, "coordinator", None)]
+        self.coordinator = _Coordinators(coordinators) if coordinators else None
 
     def domain(self, name: str) -> ReductionDomain:
         return next(d for d in self.domains if d.name == name)
@@ -141,3 +143,20 @@ class ExpertParallelOptimizer(OptimizerWrapper):
 def _device_of(wrapper) -> torch.device:
     params = list(getattr(wrapper, "names", {})) or [p for b in wrapper.buckets for p in b.params]
     return params[0].device if params else torch.device("cpu")
+
+
+class _Coordinators:
+    """Stage 3: the domains' coordinators seen as one (`unwrap_model_for_generation`, memory accounting)."""
+
+    def __init__(self, coordinators: list):
+        self.coordinators = coordinators
+        self.units = [u for c in coordinators for u in c.units]
+
+    @property
+    def paused(self) -> bool:
+        return self.coordinators[0].paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        for c in self.coordinators:
+            c.paused = value
