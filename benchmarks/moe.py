@@ -181,7 +181,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--systems", nargs="*", default=None, help="e.g. shardspeed:2:3 deepspeed:2:2")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--table-from", default=None, help="print the table of an earlier moe.json")
     args = parser.parse_args()
+    if args.table_from:
+        print(summarize(json.loads(Path(args.table_from).read_text())["rounds"]))
+        return
     systems = (
         SYSTEMS
         if not args.systems
@@ -203,11 +207,14 @@ def main() -> None:
 
 
 def summarize(rounds: dict[str, list]) -> str:
+    """The table: each system against DeepSpeed at ZeRO-2 and the same ep size (ratio of median step times)."""
     tokens = 2 * MICRO * SEQ
-    base_key = "deepspeed ep2 z2"
-    base = [x["step_s"] for x in rounds.get(base_key, []) if "step_s" in x]
-    base_median = statistics.median(base) if base else None
-    lines = ["| system | tokens/s (median) | min-max | all-to-all bytes/step (rank 0) | vs DeepSpeed ep2 z2 | final loss |",
+
+    def median_step(name):
+        ok = [x["step_s"] for x in rounds.get(name, []) if "step_s" in x]
+        return statistics.median(ok) if ok else None
+
+    lines = ["| system | tokens/s (median) | min-max over rounds | all-to-all bytes/step/rank | vs DeepSpeed (same ep, ZeRO-2) | final loss |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for name, results in rounds.items():
         ok = [x for x in results if "step_s" in x]
@@ -215,8 +222,8 @@ def summarize(rounds: dict[str, list]) -> str:
             lines.append(f"| {name} | error: {results[0]['error']} | | | | |")
             continue
         rates = [tokens / x["step_s"] for x in ok]
-        step = statistics.median(x["step_s"] for x in ok)
-        ratio = f"{base_median / step:.2f}x" if base_median else "n/a"
+        base = median_step("deepspeed " + name.split()[1] + " z2")
+        ratio = f"{base / median_step(name):.2f}x" if base else "n/a"
         a2a = statistics.median(x["a2a_bytes"] for x in ok)
         lines.append(f"| {name} | {statistics.median(rates):.0f} | {min(rates):.0f}-{max(rates):.0f} | "
                      f"{a2a / 1024:.1f} KiB | {ratio} | {ok[-1]['loss']:.4f} |")  # fmt: skip

@@ -62,6 +62,7 @@ def _all_cases():
     results["ckpt"] = _train_ep2(2, 2, True, ckpt=True)  # activation-checkpointed MoE block, ZeRO-2
     results["routing"] = {(k, drop): _routing_first_batch(k, drop) for k in (1, 2) for drop in (True, False)}
     results["groups"] = _group_answers()
+    results["overflow"] = _overflow_in_one_expert()
     try:  # ep_size 4 does not divide the 2 data-parallel ranks
         model = build(4, 0, 1, True)
         shardspeed.initialize(
@@ -71,6 +72,33 @@ def _all_cases():
     except ValueError as err:
         results["ep4_error"] = str(err)
     return results
+
+
+def _overflow_in_one_expert():
+    """fp16, ZeRO-2: an inf in one expert's gradient on rank 1 only skips the step on every rank."""
+    import torch.distributed as dist
+
+    import shardspeed
+
+    rank = dist.get_rank()
+    model = build(2, rank, 1, True)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2},
+              "fp16": {"enabled": True, "initial_scale_power": 4}}  # fmt: skip
+    engine, *_ = shardspeed.initialize(
+        model=model, optimizer=torch.optim.Adam(model.parameters()), config=config
+    )
+    if rank == 1:
+        expert = engine.module.moe.deepspeed_moe.experts.deepspeed_experts[0]
+        expert.up.weight.register_hook(lambda g: g * float("inf"))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    xs, ys = data(1, MICRO * 2)
+    sl = slice(rank * MICRO, (rank + 1) * MICRO)
+    engine.backward(engine(xs[0, sl].half(), ys[0, sl].half()))
+    engine.step()
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    result = (engine.skipped_steps, unchanged, engine.loss_scale())
+    engine.destroy()
+    return result
 
 
 def _group_answers():
@@ -120,6 +148,9 @@ def test_ep2_matches_ep1_reference_every_stage():
     for rank, r in enumerate(ranks):  # deepspeed.utils.groups answers from the groups initialize built
         assert r["groups"] == (2, rank, [0, 1], 1, [rank], rank, "ep_size_2")
         assert "ep_size=4 must divide the data-parallel world size 2" in r["ep4_error"]
+        # skipped and weights untouched everywhere; the scale stays 2**4 (hysteresis 2: the first overflow only
+        # uses up one), the same on both ranks
+        assert r["overflow"] == (1, True, 16.0)
 
 
 def _check_routing(ranks):
