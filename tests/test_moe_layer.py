@@ -117,6 +117,11 @@ def test_errors_name_the_problem():
     wrong = MoE(D, nn.Linear(D, D + 1), num_experts=2)
     with pytest.raises(ValueError, match=r"output must have its input's shape"):
         wrong(torch.randn(2, 3, D))
+    from shardspeed.config import ConfigError
+    from shardspeed.moe.parallelism import ExpertParallelism
+
+    with pytest.raises(ConfigError, match="use_data_before_expert_parallelism"):
+        ExpertParallelism.discover(nn.Sequential(MoE(D, Expert(), num_experts=2)), data_before_expert=True)
     with pytest.raises(RuntimeError, match="ep_size=2 has no expert-parallel group"):
         MoE(D, Expert(), num_experts=2, ep_size=2)(torch.randn(2, 3, D))
 

@@ -33,10 +33,18 @@ class ExpertParallelism:
         self._expert_ids = {id(t) for m in expert_modules for t in [*m.parameters(), *m.buffers()]}
 
     @classmethod
-    def discover(cls, module: nn.Module, mpu=None, dp_group=None) -> ExpertParallelism | None:
+    def discover(cls, module: nn.Module, mpu=None, dp_group=None, data_before_expert: bool = False):
+        """The part for `module`, or None without MoE layers (collective: creates the groups)."""
         layers = [m for m in module.modules() if isinstance(m, MoE)]
         if not layers:
             return None
+        if data_before_expert:
+            from shardspeed.config import ConfigError
+
+            raise ConfigError(
+                "use_data_before_expert_parallelism: true is not supported; expert-parallel groups are "
+                "consecutive data-parallel ranks (the default, false)"
+            )
         groups = build_expert_groups([layer.ep_size for layer in layers], mpu)
         for layer in layers:
             layer.set_deepspeed_parallelism(groups=groups)

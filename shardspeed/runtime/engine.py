@@ -84,7 +84,9 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                 zero_init.materialize(p)
         self.module = model.to(device=self.device, dtype=self.plan.param_dtype)
         # MoE layers: their expert groups are created here and experts start from their own group's values
-        self.moe = ExpertParallelism.discover(self.module, mpu, self.dp_group)
+        self.moe = ExpertParallelism.discover(
+            self.module, mpu, self.dp_group, config.use_data_before_expert_parallelism
+        )
         self.has_moe_layers = self.moe is not None  # DeepSpeed's attribute
         if self.moe is None:
             _broadcast_from_rank0(list(self.module.parameters()) + list(self.module.buffers()), self.dp_group)
