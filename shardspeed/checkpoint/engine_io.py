@@ -35,6 +35,7 @@ ENGINE_KEYS = {
     "module", "buffer_names", "optimizer", "lr_scheduler", "data_sampler", "global_steps", "global_samples",
     "skipped_steps", "micro_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "shardspeed_version", "zero_stage", "zero_partitions", "param_shapes", "frozen_param_names", "shared_params",
+    "num_experts", "moe_layout",
 }  # fmt: skip
 
 
@@ -96,8 +97,12 @@ def _param_shapes(engine) -> dict[str, tuple]:
     their shapes come from the units' layouts)."""
     shapes = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
     if engine.zero_optimization_stage() == 3 and engine.optimizer is not None:
-        units = [*engine.optimizer.buckets, *engine.optimizer._frozen_units()]
+        units = [u for w in _stage_wrappers(engine) for u in (*w.buckets, *w._frozen_units())]
         shapes.update({n: tuple(s) for u in units for n, s in zip(u.names, u.shapes)})
+    if getattr(engine, "moe", None) is not None:  # experts are in their own files, by global index
+        from shardspeed.moe.checkpoint import without_experts
+
+        shapes = without_experts(shapes)
     return shapes
 
 
@@ -138,8 +143,18 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
         "ds_version": __version__,
         "shardspeed_version": __version__,
     }
+    if getattr(engine, "moe", None) is not None:
+        from shardspeed.moe.checkpoint import moe_model_states
+
+        state = moe_model_states(engine, state)
     state.update(client_state)
     return state
+
+
+def _stage_wrappers(engine) -> list:
+    """The stage wrappers: one, or one per reduction domain with MoE (moe/optimizer.py)."""
+    domains = getattr(engine.optimizer, "domains", None)
+    return [d.wrapper for d in domains] if domains is not None else [engine.optimizer]
 
 
 def begin_save(engine, save_dir, tag, client_state: dict) -> tuple[Path, str, Path]:
@@ -177,7 +192,11 @@ def save_checkpoint(
         files.save_file(
             _model_states(engine, client_state, exclude_frozen), staging / files.model_states_name()
         )
-    if engine.optimizer is not None and not _replicated_optimizer(engine):
+    if getattr(engine, "moe", None) is not None:  # expert files, per-rank optimizer state (collective)
+        from shardspeed.moe.checkpoint import save_moe
+
+        save_moe(engine, staging)
+    elif engine.optimizer is not None and not _replicated_optimizer(engine):
         partition = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config,
                      "ds_version": __version__}  # fmt: skip
         files.save_file(partition, staging / files.zero_optim_states_name(engine.dp_rank))
@@ -223,8 +242,12 @@ def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_s
         return None, None
     # From here on the live model and optimizer are changed: every check above has passed on every rank.
     path, state = opened
-    reshard = _needs_reshard(engine, state, path)
-    if reshard:
+    moe_reshard = _load_moe(engine, path, state, strict, load_optimizer)
+    reshard = moe_reshard if moe_reshard is not None else _needs_reshard(engine, state, path)
+    if moe_reshard is not None:
+        if module_only:
+            return str(path), {}
+    elif reshard:
         _load_resharded(engine, state, path, strict, load_optimizer_states and not module_only)
         if module_only:
             return str(path), {}
@@ -263,9 +286,22 @@ def _load_progress(engine, state: dict, load_scheduler_states: bool, realign: bo
         engine.micro_steps = engine.global_steps * gas
 
 
+def _load_moe(engine, path: Path, state: dict, strict: bool, load_optimizer: bool) -> bool | None:
+    """Models with MoE layers load through moe/checkpoint.py (None for others); True if resharded."""
+    if getattr(engine, "moe", None) is None:
+        return None
+    from shardspeed.moe.checkpoint import load_moe
+
+    return load_moe(engine, path, state, strict, load_optimizer)
+
+
 def _needs_reshard(engine, state: dict, path: Path) -> bool:
     """True when the checkpoint's partitioning differs from this engine's: another data-parallel world
     size, ZeRO stage, or (stages 1-3) bucket layout, e.g. after changing reduce_bucket_size."""
+    if getattr(engine, "moe", None) is not None:
+        from shardspeed.moe.checkpoint import moe_layout
+
+        return state.get("moe_layout") != moe_layout(engine)
     saved_stage, stage = state.get("zero_stage", 0), engine.zero_optimization_stage()
     if engine.optimizer is None:  # nothing partitioned here: only stage-3 parameters need assembling
         return saved_stage == 3 or stage == 3

@@ -40,6 +40,12 @@ def consolidated_16bit_state_dict(engine, exclude_frozen_parameters: bool = Fals
     appear under every name, as in `module.state_dict()`.
     """
     stage3 = engine.zero_optimization_stage() == 3
+    moe = getattr(engine, "moe", None)
+    if moe is not None and any(layer.ep_size > 1 for layer in moe.layers):
+        raise NotImplementedError(
+            "a consolidated 16-bit state dict of a model with expert parallelism (ep_size > 1) is not "
+            "supported yet: each rank holds other experts; save_checkpoint writes every expert by global index"
+        )
     params = _gathered_state_dict(engine) if stage3 else None
     if dist.get_rank() != 0:
         return None

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardspeed import accelerator
 from shardspeed.config import ConfigError, ShardspeedConfig, resolve_batch_sizes
+from shardspeed.moe.parallelism import ExpertParallelism
 from shardspeed.runtime import memory
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.data import ShardedDataLoader
@@ -88,7 +89,16 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             for p in model.parameters():
                 zero_init.materialize(p)
         self.module = model.to(device=self.device, dtype=self.plan.param_dtype)
-        _broadcast_from_rank0(list(self.module.parameters()) + list(self.module.buffers()), self.dp_group)
+        # MoE layers: their expert groups are created here and experts start from their own group's values
+        self.moe = ExpertParallelism.discover(
+            self.module, mpu, self.dp_group, config.use_data_before_expert_parallelism
+        )
+        self.has_moe_layers = self.moe is not None  # DeepSpeed's attribute
+        if self.moe is None:
+            _broadcast_from_rank0(list(self.module.parameters()) + list(self.module.buffers()), self.dp_group)
+        else:
+            _broadcast_from_rank0(self.moe.replicated_tensors(), self.dp_group)
+            self.moe.broadcast_experts(_broadcast_from_rank0)
 
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
@@ -146,13 +156,23 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer):
         """Wrap the torch optimizer in the stage's wrapper, which owns gradients, masters and the step."""
-        stage = self.zero_optimization_stage()
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        zero_cfg = self._config.zero_optimization
         scaler = LossScaler.from_config(self._config.fp16) if self._config.fp16.enabled else NoScaler()
+        if self.moe is not None:  # one wrapper per reduction domain (dense, each expert group)
+            wrap = lambda opt, sub, group, owned: self._wrap_params(opt, sub, group, scaler, owned)  # noqa: E731
+            return self.moe.wrap_optimizer(
+                optimizer, named, wrap, scaler=scaler, clip=self.gradient_clipping()
+            )
+        return self._wrap_params(optimizer, named, self.dp_group, scaler)
+
+    def _wrap_params(self, optimizer, named, group, scaler, owned: set[int] | None = None):
+        """The stage's wrapper over the parameters `named`, reduced over `group` (stage 3: `owned` are the
+        ids of the module parameters it partitions, frozen ones included; None for all)."""
+        stage = self.zero_optimization_stage()
+        zero_cfg = self._config.zero_optimization
         common = dict(plan=self.plan, scaler=scaler, gradient_clipping=self._config.gradient_clipping)
         comm = dict(
-            group=self.dp_group,
+            group=group,
             prescale_gradients=self._config.prescale_gradients,
             gradient_predivide_factor=self._config.gradient_predivide_factor,
         )
@@ -176,12 +196,13 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         comm["use_reduce_scatter"] = bool(zero_cfg.reduce_scatter)
         # sub_group_size bounds the elements one optimizer step sees per rank: each bucket or unit is at most
         # sub_group_size elements per rank.
-        sub_group_numel = int(zero_cfg.sub_group_size) * dist.get_world_size(self.dp_group)
+        sub_group_numel = int(zero_cfg.sub_group_size) * dist.get_world_size(group)
         if stage == 3:
             return zero_stage_3(
                 self.module,
                 optimizer,
                 named,
+                owned=owned,
                 unit_numel=self._stage3_unit_numel(sub_group_numel),
                 persistence_threshold=int(zero_cfg.stage3_param_persistence_threshold),
                 model_persistence_threshold=int(zero_cfg.stage3_model_persistence_threshold),

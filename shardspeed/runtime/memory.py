@@ -55,25 +55,32 @@ def measure(engine) -> ModelStateBytes:
     result.params = _bytes([p.data for p in engine.module.parameters()], seen)
     if wrapper is None:
         return result
+    # MoE: one stage wrapper per reduction domain (dense, each expert group), sharing the torch optimizer
+    parts = [d.wrapper for d in wrapper.domains] if hasattr(wrapper, "domains") else [wrapper]
+    for part in parts:
+        _add_wrapper_states(result, part, seen)
+    result.grads += _bytes([p.grad for p in engine.module.parameters()], seen)
+    state = wrapper.optimizer.state.values()
+    result.optimizer_state = _bytes([v for s in state for v in s.values() if torch.is_tensor(v)], seen)
+    return result
+
+
+def _add_wrapper_states(result: ModelStateBytes, wrapper, seen: set) -> None:
     if wrapper.zero_stage == 3:  # released parameters are empty: their memory is the shards
         shards = [u.shard_in_memory() for u in wrapper.coordinator.units]  # offloaded ones are not here
         result.params += _bytes([s for s in shards if s is not None], seen)
     if wrapper.zero_stage == 0:
-        result.grads = _bytes([b.buffer for b in wrapper.reducer.buckets], seen)
+        result.grads += _bytes([b.buffer for b in wrapper.reducer.buckets], seen)
         masters = wrapper.master_flats
     else:
-        result.grads = _bytes(wrapper.grads.flat_grads(), seen)
+        result.grads += _bytes(wrapper.grads.flat_grads(), seen)
         if wrapper.zero_stage == 1:
             result.grads += _bytes([b.buffer for b in wrapper.grads.buckets], seen)
         masters = wrapper.masters
-    result.grads += _bytes([p.grad for p in engine.module.parameters()], seen)
-    result.master_weights = _bytes(masters, seen)
-    state = wrapper.optimizer.state.values()
-    result.optimizer_state = _bytes([v for s in state for v in s.values() if torch.is_tensor(v)], seen)
+    result.master_weights += _bytes(masters, seen)
     staging = getattr(wrapper, "grads", None)
     if staging is not None and hasattr(staging, "slots"):
-        result.buffers = _bytes([s.staging for s in staging.slots], seen)
-    return result
+        result.buffers += _bytes([s.staging for s in staging.slots], seen)
 
 
 def estimate(num_params: int, world_size: int, stage: int, dtype: str = "fp32",

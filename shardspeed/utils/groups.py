@@ -4,6 +4,8 @@ Integrations (Accelerate, Transformers) and user code ask this module for the da
 groups. The answers come from the grid the latest `initialize` built or was given as `mpu`
 (`runtime.layout.latest_grid`); no group is held here. Without a grid, data parallelism spans the world and
 every other axis has size 1 and position 0, which is what DeepSpeed answers when that axis is not configured.
+The expert getters (`group_name` is "ep_size_<n>") answer from the expert groups the latest `initialize`
+built (shardspeed/moe/groups.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,21 @@ import torch.distributed as dist
 from shardspeed.runtime.layout import latest_grid
 
 __all__ = [
+    "_create_expert_and_data_parallel",
     "_get_data_parallel_group",
     "_get_data_parallel_rank",
     "_get_data_parallel_world_size",
+    "_get_expert_broadcast_src_rank",
+    "_get_expert_data_parallel_group",
+    "_get_expert_data_parallel_group_dict",
+    "_get_expert_data_parallel_rank",
+    "_get_expert_data_parallel_world_size",
+    "_get_expert_parallel_group",
+    "_get_expert_parallel_group_dict",
+    "_get_expert_parallel_rank",
+    "_get_expert_parallel_world_size",
+    "_get_max_expert_size",
+    "_get_max_expert_size_name",
     "_get_model_parallel_rank",
     "_get_model_parallel_world_size",
     "_get_sequence_data_parallel_group",
@@ -87,3 +101,71 @@ def _get_sequence_data_parallel_world_size() -> int:
 
 def _get_sequence_data_parallel_rank() -> int:
     return _ask("get_sequence_data_parallel_rank", _get_data_parallel_rank)
+
+
+def _expert(group_name: str):
+    from shardspeed.moe.groups import latest
+
+    return latest()[group_name]
+
+
+def _create_expert_and_data_parallel(
+    expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False
+):
+    """Build the groups of one expert-parallel size over the world (collective)."""
+    from shardspeed.moe.groups import build_expert_groups
+
+    if use_data_before_expert_parallel_:
+        raise NotImplementedError("use_data_before_expert_parallelism=True is not supported")
+    build_expert_groups([expert_parallel_size_])
+
+
+def _get_expert_parallel_group(group_name: str):
+    return _expert(group_name).ep_group
+
+
+def _get_expert_data_parallel_group(group_name: str):
+    return _expert(group_name).edp_group
+
+
+def _get_expert_parallel_group_dict() -> dict:
+    from shardspeed.moe.groups import latest
+
+    return {name: g.ep_group for name, g in latest().by_name.items()}
+
+
+def _get_expert_data_parallel_group_dict() -> dict:
+    from shardspeed.moe.groups import latest
+
+    return {name: g.edp_group for name, g in latest().by_name.items()}
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return _expert(group_name).ep_size
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return _expert(group_name).ep_rank
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return _expert(group_name).edp_size
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return _expert(group_name).edp_rank
+
+
+def _get_expert_broadcast_src_rank(group_name: str) -> int:
+    """The global rank expert-data-parallel replicas of this rank's experts start from."""
+    return _expert(group_name).edp_ranks[0]
+
+
+def _get_max_expert_size() -> int:
+    from shardspeed.moe.groups import latest
+
+    return max((g.ep_size for g in latest().by_name.values()), default=1)
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"

@@ -40,7 +40,7 @@ from shardspeed.zero.swap import build_optimizer_swapper
 def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[FlatParamBucket]:
     """Flat buckets of the trainable parameters of each optimizer group (buckets never span groups)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    groups = [[p for p in g["params"] if p.requires_grad and p in names] for g in optimizer.param_groups]
     return [
         FlatParamBucket(params, [names[p] for p in params], group_index, world, rank)
         for group_index, params in bucket_layout(groups, bucket_numel)
@@ -425,13 +425,15 @@ def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, al
 def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int, persistence_threshold: int,
                  model_persistence_threshold: int, prefetch_numel: int, max_live_numel: int,
                  max_reuse_distance: int, plan, scaler, gradient_clipping, group=None, offload=None,
-                 param_tier=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
-    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm."""
+                 param_tier=None, owned: set[int] | None = None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
+    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm.
+    `owned`: ids of the module parameters this wrapper partitions (None: all; MoE: one reduction domain)."""
     names = {p: n for n, p in module.named_parameters()}
     units = build_units(
         module,
         optimizer,
         names,
+        owned=owned,
         unit_numel=unit_numel,
         persistence_threshold=persistence_threshold,
         model_persistence_threshold=model_persistence_threshold,

@@ -74,7 +74,7 @@ class Stage3Coordinator:
         # Modules may read a child's parameters without calling the child (nn.MultiheadAttention reads
         # out_proj.weight): parameter look-ups go through a dict that gathers on first use in a forward.
         for module in root.modules():
-            if any(p is not None for p in module._parameters.values()):
+            if any(p is not None and id(p) in self.owner for p in module._parameters.values()):
                 module._parameters = _GatheringParameters(module._parameters, self)
 
     def _hook(self, module: nn.Module, needed: list[ParamUnit]) -> None:
@@ -289,7 +289,8 @@ class _GatheringParameters(dict):
 
 
 def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, persistence_threshold: int,
-                model_persistence_threshold: int, group, tier=None) -> list[ParamUnit]:  # fmt: skip
+                model_persistence_threshold: int, group, tier=None,
+                owned: set[int] | None = None) -> list[ParamUnit]:  # fmt: skip
     """One ParamUnit per (unit root, optimizer group); parameters outside every group form frozen units.
 
     A unit of at most `persistence_threshold` elements stays gathered, while the persistent units' total
@@ -305,6 +306,8 @@ def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, p
     for root, params in plan_units(module, unit_numel):
         by_group: dict = {}
         for p in params:
+            if owned is not None and id(p) not in owned:
+                continue  # another wrapper's parameter (MoE: experts are partitioned in their own group)
             gi = group_of.get(id(p)) if p.requires_grad else None
             by_group.setdefault(gi, []).append(p)
         for gi, members in by_group.items():

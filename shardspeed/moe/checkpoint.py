@@ -1,0 +1,276 @@
+"""Checkpoints of models with MoE layers: DeepSpeed's expert files, and loading at another ep size.
+
+Files in a tag folder, besides the usual model-states and RNG files (checkpoint/engine_io.py):
+
+    layer_<L>_expert_<E>_mp_rank_00_model_states.pt   DeepSpeed's expert file: expert E (global index) of the
+                                                      L-th MoE layer, its state-dict entries under the global
+                                                      index; written by the expert-data-parallel rank 0
+    moe_rank_<D>_mp_rank_00_optim_states.pt           data-parallel rank D's optimizer state (every domain)
+    moe_dense_universal_states.pt                     every dense parameter's fp32 value and optimizer state,
+    layer_<L>_expert_<E>_universal_states.pt          and every expert's, by name with global expert indices
+
+`mp_rank_00_model_states.pt` holds the dense weights only (`module` without expert tensors, as DeepSpeed),
+plus `num_experts` and `moe_layout`. A load with the same layout (world size, ZeRO stage, ep sizes, buckets)
+takes the weights and the per-rank optimizer state and resumes bit for bit. Any other layout — another ep
+size, world size or stage — rebuilds every parameter, fp32 master and optimizer state from the universal
+files by name (each rank reads only its own experts), then keeps training. Writing the universal files
+gathers each parameter's state once per save (collective over the parameter's group): the price of loading
+at any layout. Not supported here: NVMe optimizer offload and frozen expert parameters at a changed layout.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from shardspeed.checkpoint import files
+from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.moe.utils import is_moe_param
+from shardspeed.zero.api import (
+    GatheredParameters,
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+)
+
+__all__ = ["expert_file_name", "load_moe", "moe_model_states", "save_moe"]
+
+_LOCAL = re.compile(r"^(?P<prefix>.*\.deepspeed_experts\.)(?P<index>\d+)(?P<rest>\..*)$")
+DENSE_UNIVERSAL = "moe_dense_universal_states.pt"
+
+
+def expert_file_name(layer_id: int, expert_id: int, mp_rank: int = 0) -> str:
+    return f"layer_{layer_id}_expert_{expert_id}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def expert_universal_name(layer_id: int, expert_id: int) -> str:
+    return f"layer_{layer_id}_expert_{expert_id}_universal_states.pt"
+
+
+def optimizer_file_name(dp_rank: int) -> str:
+    return f"moe_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+
+
+def _experts(engine):
+    """(layer id, global expert id, expert module, {global name: local name}, local name prefix) for this
+    rank's experts, the
+    layer id counting MoE layers in module order (as DeepSpeed numbers them)."""
+    from shardspeed.moe.layer import MoE
+
+    layers = [(prefix, m) for prefix, m in engine.module.named_modules() if isinstance(m, MoE)]
+    for layer_id, (prefix, module) in enumerate(layers):
+        ep_rank = engine.moe.expert_rank(module.expert_group_name)
+        base = (prefix + "." if prefix else "") + "deepspeed_moe.experts.deepspeed_experts"
+        for local, expert in enumerate(module.deepspeed_moe.experts.deepspeed_experts):
+            global_id = ep_rank * module.num_local_experts + local
+            names = {f"{base}.{global_id}.{n}": f"{base}.{local}.{n}" for n in expert.state_dict()}
+            yield layer_id, global_id, expert, names, f"{base}.{local}."
+
+
+def _is_expert_key(name: str) -> bool:
+    return _LOCAL.match(name) is not None
+
+
+def moe_layout(engine) -> dict:
+    wrapper = engine.optimizer
+    buckets = {}
+    if wrapper is not None and wrapper.zero_stage > 0:
+        buckets = {d.name: [b.layout() for b in d.wrapper.buckets] for d in wrapper.domains}
+    return {
+        "dp_world_size": engine.world_size,
+        "zero_stage": engine.zero_optimization_stage(),
+        "expert_groups": engine.moe.group_names(),
+        "buckets": buckets,
+    }
+
+
+def moe_model_states(engine, state: dict) -> dict:
+    """The model-states dict of an MoE engine: expert tensors out (they are in the expert files)."""
+    state["module"] = {k: v for k, v in state["module"].items() if not _is_expert_key(k)}
+    state["optimizer"] = None  # in moe_rank_<D> files
+    state["zero_partitions"] = 0
+    state["num_experts"] = [layer.num_experts for layer in engine.moe.layers]
+    state["moe_layout"] = moe_layout(engine)
+    return state
+
+
+def without_experts(shapes: dict) -> dict:
+    return {k: v for k, v in shapes.items() if not _is_expert_key(k)}
+
+
+# -- save ----------------------------------------------------------------------------------------------------
+
+
+def _full_state(param) -> dict:
+    """{"fp32": full value, "state": {key: full optimizer state}} (collective over the param's group)."""
+    owner = getattr(param, "_shardspeed_zero", None)
+    entry = {"fp32": safe_get_full_fp32_param(param).cpu(), "state": {}}
+    wrapper, index = owner
+    if index is None:
+        raw = wrapper.optimizer.state.get(wrapper.masters.get(param, param), {})
+    else:
+        raw = wrapper.shard_state(index)
+    for key in sorted(raw):
+        value = raw[key]
+        if torch.is_tensor(value) and value.dim() > 0:
+            value = safe_get_full_optimizer_state(param, key)
+        entry["state"][key] = value.cpu().clone() if torch.is_tensor(value) else value
+    return entry
+
+
+def save_moe(engine, staging) -> None:
+    """Expert files, this rank's optimizer state and the universal files (collective)."""
+    if engine.optimizer is not None:
+        partition = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config}
+        files.save_file(partition, staging / optimizer_file_name(engine.dp_rank))
+    experts = list(_experts(engine))
+    expert_params = [p for _, _, expert, _, _ in experts for p in expert.parameters()]
+    with GatheredParameters(expert_params):  # stage 3: within each expert-data-parallel group
+        for layer_id, global_id, expert, names, _ in experts:
+            if _edp_rank(engine, expert) == 0:
+                values = dict(zip(names, (t.detach().clone() for t in expert.state_dict().values())))
+                files.save_file(values, staging / expert_file_name(layer_id, global_id))
+    if engine.optimizer is None:
+        return
+    dense = {
+        n: _full_state(p) for n, p in engine.module.named_parameters() if _managed(p) and not is_moe_param(p)
+    }
+    if engine.dp_rank == 0:
+        files.save_file({"params": dense, "loss_scaler": engine.optimizer.scaler.state_dict()},
+                        staging / DENSE_UNIVERSAL)  # fmt: skip
+    for layer_id, global_id, expert, names, local_prefix in experts:
+        global_of = {local: g for g, local in names.items()}
+        entries = {
+            global_of[local_prefix + n]: _full_state(p) for n, p in expert.named_parameters() if _managed(p)
+        }
+        if _edp_rank(engine, expert) == 0:
+            files.save_file({"params": entries}, staging / expert_universal_name(layer_id, global_id))
+
+
+def _managed(p) -> bool:
+    return p.requires_grad and getattr(p, "_shardspeed_zero", None) is not None
+
+
+def _edp_rank(engine, expert) -> int:
+    p = next(expert.parameters())
+    return engine.moe.groups[p.group_name].edp_rank
+
+
+# -- load ----------------------------------------------------------------------------------------------------
+
+
+def load_moe(engine, path, state: dict, strict: bool, load_optimizer: bool) -> bool:
+    """Load an MoE checkpoint; returns True when it was saved at another layout (rebuilt from names)."""
+    if "moe_layout" not in state:
+        raise CheckpointError(f"checkpoint {path} was not saved from a model with MoE layers")
+    same = state["moe_layout"] == moe_layout(engine)
+    if engine.optimizer is None:  # weights only: dense ones from the model file, experts by global index
+        if state.get("zero_stage") == 3 or engine.zero_optimization_stage() == 3:
+            raise CheckpointError(
+                f"checkpoint {path}: loading MoE weights without an optimizer needs ZeRO < 3"
+            )
+        _load_weights(engine, path, {**state["module"], **_expert_values(engine, path)}, strict)
+    elif same:
+        _load_same_layout(engine, path, state, strict, load_optimizer)
+    else:
+        _load_any_layout(engine, path, state, strict, load_optimizer)
+    return not same
+
+
+def _expert_values(engine, path) -> dict:
+    """This rank's experts' tensors from their files, under the local names of this model."""
+    values = {}
+    for layer_id, global_id, _, names, _ in _experts(engine):
+        file = path / expert_file_name(layer_id, global_id)
+        if not file.is_file():
+            raise CheckpointError(
+                f"checkpoint {path} has no {file.name} (expert {global_id} of MoE layer {layer_id})"
+            )
+        saved = files.load_file(file)
+        missing = [g for g in names if g not in saved]
+        if missing:
+            raise CheckpointError(f"{file} lacks {missing[:4]}: saved from a different expert module")
+        values.update({local: saved[g] for g, local in names.items()})
+    return values
+
+
+def _load_weights(engine, path, module_state: dict, strict: bool, params_elsewhere: bool = False) -> None:
+    params = {n for n, _ in engine.module.named_parameters()}
+    missing, unexpected = engine.module.load_state_dict(module_state, strict=False)
+    missing = [k for k in missing if not (params_elsewhere and k in params)]
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}"
+        )
+
+
+def _load_same_layout(engine, path, state, strict, load_optimizer) -> None:
+    module_state = dict(state["module"])
+    stage3 = engine.zero_optimization_stage() == 3  # parameters come from the optimizer's shards
+    if not stage3:
+        module_state.update(_expert_values(engine, path))
+    _load_weights(engine, path, module_state, strict, params_elsewhere=stage3)
+    if not (load_optimizer or stage3):
+        engine.optimizer.refresh_masters_from_module()
+        return
+    saved = files.load_file(path / optimizer_file_name(engine.dp_rank))["optimizer_state_dict"]
+    engine.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer)
+
+
+def _load_any_layout(engine, path, state, strict, load_optimizer) -> None:
+    universal = {}
+    dense_file = path / DENSE_UNIVERSAL
+    if not dense_file.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} has no {DENSE_UNIVERSAL}: it cannot be loaded at another layout"
+        )
+    dense = files.load_file(dense_file)
+    universal.update(dense["params"])
+    for layer_id, global_id, _, _, _ in _experts(engine):
+        file = path / expert_universal_name(layer_id, global_id)
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} has no {file.name}: expert {global_id} of MoE layer {layer_id} "
+                                  "is not in it (saved with fewer experts?)")  # fmt: skip
+        universal.update(files.load_file(file)["params"])
+    local_to_global = {local: g for _, _, _, names, _ in _experts(engine) for g, local in names.items()}
+    named = [(local_to_global.get(n, n), p) for n, p in engine.module.named_parameters()]
+    # dense first on every rank, then this rank's experts: each group sees its collectives in one order
+    ordered = [x for x in named if not is_moe_param(x[1])] + [x for x in named if is_moe_param(x[1])]
+    with torch.no_grad():
+        for name, p in ordered:
+            if not _managed(p):
+                continue
+            if name not in universal:
+                raise CheckpointError(f"checkpoint {path} has no value for parameter {name!r}")
+            _set_full_state(p, universal[name], load_optimizer)
+    buffers = {k: v for k, v in state["module"].items() if k not in dict(engine.module.named_parameters())}
+    engine.module.load_state_dict(buffers, strict=False)
+    if load_optimizer and dense.get("loss_scaler") is not None:
+        engine.optimizer.scaler.load_state_dict(dense["loss_scaler"])
+
+
+def _set_full_state(param, entry: dict, load_optimizer: bool) -> None:
+    safe_set_full_fp32_param(param, entry["fp32"].to(param.device))
+    if not load_optimizer:
+        return
+    wrapper, index = param._shardspeed_zero
+    if index is None:
+        tensor = wrapper.masters.get(param, param)
+        target = wrapper.optimizer.state.setdefault(tensor, {})
+        for key, value in entry["state"].items():
+            target[key] = value.to(tensor.device).clone() if torch.is_tensor(value) else value
+        return
+    bucket, master = wrapper.buckets[index], wrapper.masters[index]
+    target = wrapper.optimizer.state.setdefault(master, {})
+    position = next(i for i, p in enumerate(bucket.params) if p is param)
+    for key, value in entry["state"].items():
+        if not torch.is_tensor(value) or value.dim() == 0:
+            target[key] = value.clone() if torch.is_tensor(value) else value
+            continue
+        if key not in target or target[key].shape != master.shape:
+            target[key] = torch.zeros_like(master)
+        flat = value.reshape(-1).to(master.device)
+        for i, _, in_param, in_shard, length in bucket.fragments():
+            if i == position:
+                target[key][in_shard : in_shard + length].copy_(flat[in_param : in_param + length])

@@ -1,0 +1,108 @@
+"""Expert-parallel and expert-data-parallel process groups, cut from the data axis of the rank grid.
+
+For expert-parallel size `ep`, every data-parallel slice `d_0 … d_{n-1}` (global ranks of one data group) is
+cut as DeepSpeed cuts it: expert-parallel groups of `ep` consecutive data ranks `d[j·ep : (j+1)·ep]` (they
+exchange tokens and together hold every expert), and expert-data-parallel groups `d[i::ep]` (the ranks that
+hold the same experts and average their gradients). The group name is `"ep_size_<ep>"`.
+
+`build_expert_groups` is collective (every rank creates every group, in one order). The engine calls it at
+initialize for the ep sizes of the model's MoE layers and hands the groups to the layers; `latest()` is the
+set the last call built, which the `deepspeed.utils.groups` accessors read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+__all__ = ["ExpertGroup", "ExpertGroups", "build_expert_groups", "data_parallel_slices", "latest"]
+
+
+@dataclass
+class ExpertGroup:
+    """This rank's two groups for one expert-parallel size."""
+
+    name: str
+    ep_size: int
+    ep_group: object
+    ep_ranks: list[int]
+    edp_group: object
+    edp_ranks: list[int]
+    dp_world_size: int
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_ranks.index(dist.get_rank())
+
+    @property
+    def edp_rank(self) -> int:
+        return self.edp_ranks.index(dist.get_rank())
+
+    @property
+    def edp_size(self) -> int:
+        return len(self.edp_ranks)
+
+
+@dataclass
+class ExpertGroups:
+    by_name: dict[str, ExpertGroup] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> ExpertGroup:
+        if name not in self.by_name:
+            raise KeyError(f"no expert group {name!r}; built: {sorted(self.by_name)}")
+        return self.by_name[name]
+
+
+_latest = ExpertGroups()
+
+
+def latest() -> ExpertGroups:
+    """The groups the last `build_expert_groups` built (empty before any)."""
+    return _latest
+
+
+def data_parallel_slices(mpu=None) -> list[list[int]]:
+    """Every data-parallel group's global ranks, sorted: from the grid's topology, or the world."""
+    if mpu is None:
+        return [list(range(dist.get_world_size()))]
+    topology = getattr(mpu, "topology", None)
+    if callable(topology):
+        return topology().get_axis_comm_lists("data")
+    gathered: list = [None] * dist.get_world_size()  # a foreign mpu: ask every rank for its data group
+    dist.all_gather_object(gathered, dist.get_process_group_ranks(mpu.get_data_parallel_group()))
+    return sorted({tuple(r) for r in gathered})
+
+
+def build_expert_groups(ep_sizes, mpu=None) -> ExpertGroups:
+    """Create (collectively) the groups of every ep size in `ep_sizes`; raise if one does not divide the
+    data-parallel world."""
+    global _latest
+    slices = [list(s) for s in data_parallel_slices(mpu)]
+    dp_world = len(slices[0])
+    me = dist.get_rank()
+    built = ExpertGroups(dict(_latest.by_name))
+    for ep in sorted(set(int(e) for e in ep_sizes)):
+        name = f"ep_size_{ep}"
+        if ep < 1 or dp_world % ep != 0:
+            raise ValueError(
+                f"MoE ep_size={ep} must divide the data-parallel world size {dp_world} "
+                f"(world size {dist.get_world_size()})"
+            )
+        if name in built.by_name:
+            continue
+        mine: dict = {}
+        for ranks in slices:
+            for j in range(dp_world // ep):
+                _new_group(ranks[j * ep : (j + 1) * ep], me, mine, "ep")
+            for i in range(ep):
+                _new_group(ranks[i::ep], me, mine, "edp")
+        built.by_name[name] = ExpertGroup(name, ep, *mine["ep"], *mine["edp"], dp_world)
+    _latest = built
+    return built
+
+
+def _new_group(ranks: list[int], me: int, mine: dict, kind: str) -> None:
+    group = dist.new_group(ranks)  # collective over the world, even for groups this rank is not in
+    if me in ranks:
+        mine[kind] = (group, list(ranks))
