@@ -5,15 +5,15 @@ vocabulary-parallel head; per-rank parameter counts; config errors; tensor-paral
 
 from harness import run_ranks
 
-TP2 = [  # (model, zero, clip, gas, dtype, vocab_parallel)
-    ("llama", 0, 0.5, 1, "fp32", False),
-    ("gpt2", 0, 0.5, 2, "fp32", False),
-    ("gpt2", 0, 0.5, 2, "bf16", False),
+TP2 = [  # (model, zero, clip, gas, dtype, vocab_parallel, activation checkpointing with partition_activations)
+    ("llama", 0, 0.5, 1, "fp32", False, True),
+    ("gpt2", 0, 0.5, 2, "fp32", False, False),
+    ("gpt2", 0, 0.5, 2, "bf16", False, False),
 ]
 TP2_DP2 = [
-    ("llama", 0, 0.5, 2, "fp32", False),
-    ("llama", 1, 0.5, 1, "fp32", False),
-    ("gpt2", 2, 0.5, 1, "fp32", True),
+    ("llama", 0, 0.5, 2, "fp32", False, False),
+    ("llama", 1, 0.5, 1, "fp32", False, True),
+    ("gpt2", 2, 0.5, 1, "fp32", True, False),
 ]
 
 
@@ -62,7 +62,18 @@ def training_job(cases, with_errors: bool):
     shardspeed.init_distributed()
     world = dist.get_world_size()
     out = {"cases": []}
-    for kind, zero, clip, gas, dtype, vocab in cases:
+    import shardspeed.checkpointing.core as checkpoint_core
+
+    partitioned = []  # the tensor-group size each checkpointed input was split over
+    store = checkpoint_core.store
+
+    def counting_store(tensor, **kwargs):
+        partitioned.append(dist.get_world_size(kwargs["group"]) if kwargs.get("group") is not None else 1)
+        return store(tensor, **kwargs)
+
+    checkpoint_core.store = counting_store
+    for kind, zero, clip, gas, dtype, vocab, ckpt in cases:
+        partitioned.clear()
         dp = world // 2
         if dtype == "fp32":
             ref_state, ref_losses, ref_norms = tp_common.reference_run(
@@ -71,17 +82,18 @@ def training_job(cases, with_errors: bool):
         else:  # mixed precision: against the same precision without tensor parallelism (data parallel only)
             ref_state, ref_losses, ref_norms = data_parallel_run(kind, zero, clip, gas, dtype)
         model = tp_models.build(kind)
-        model.vocab_parallel = vocab
+        model.vocab_parallel, model.checkpoint_layers = vocab, ckpt
         full_numel = sum(p.numel() for p in model.parameters())
         engine, *_ = shardspeed.initialize(model=model, optimizer=tp_common.adamw,
-                                           config=tp_common.config(2, zero, clip, gas, dtype, vocab))  # fmt: skip
+                                           config=tp_common.config(2, zero, clip, gas, dtype, vocab, ckpt))  # fmt: skip
         batches = tp_common.global_batches(tp_common.SEQ_STEPS, dp, gas)
         losses, norms = tp_common.train(engine, batches, gas)
         state = tp_full_state_dict(engine.module, engine.tensor_parallel.group)
         sharded = sum(p.numel() for p in engine.module.parameters() if hasattr(p, "tp_partition"))
         local = sum(p.numel() for p in engine.module.parameters())
         out["cases"].append(dict(
-            case=(kind, zero, clip, gas, dtype, vocab),
+            case=(kind, zero, clip, gas, dtype, vocab, ckpt),
+            partitioned=sorted(set(partitioned)),
             param_diff=tp_common.max_diff(state, ref_state),
             moved=tp_common.max_diff(tp_models.build(kind).state_dict(), ref_state),
             loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -117,6 +129,9 @@ def _check(results, cases, dp):
             assert local == sharded + (full - 2 * sharded)  # 1/2 of the sharded layers + the replicated rest
             assert sharded > 0 and local < full
             assert r["dp"] == (dp, rank // 2), r["dp"]
+            assert r["partitioned"] == ([2] if case[6] else []), r[
+                "partitioned"
+            ]  # split over the tensor group
             assert r["groups"] == (2, rank % 2, dp)
 
 

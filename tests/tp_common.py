@@ -7,8 +7,11 @@ import torch
 SEQ_STEPS, MICRO, LR = 3, 2, 1e-3
 
 
-def config(tp: int, zero: int = 0, clip: float = 0.0, gas: int = 1, dtype: str = "fp32", vocab=False) -> dict:
+def config(tp: int, zero: int = 0, clip: float = 0.0, gas: int = 1, dtype: str = "fp32", vocab=False,
+           partition_activations=False) -> dict:  # fmt: skip
+    extra = {"activation_checkpointing": {"partition_activations": True}} if partition_activations else {}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
