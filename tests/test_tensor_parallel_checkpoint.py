@@ -1,6 +1,6 @@
 """Tensor-parallel checkpoints: each tensor rank writes its mp_rank_XX files; resume at tp 2 is bit-exact;
 a tp 2 checkpoint (ZeRO 0 and 1) loads at tp 1 (data parallel, ZeRO 0 and 2) and continues equal to the run
-that never stopped; save_16bit_model writes the whole weights."""
+that never stopped; save_16bit_model and the fp32 consolidation write the whole weights."""
 
 from harness import run_ranks
 
@@ -54,6 +54,9 @@ def checkpoint_job(tmp):
         at_tp1.destroy()
 
         exported = torch.load(os.path.join(save_dir, "full.bin"), weights_only=True)
+        from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
         out[kind] = dict(
             files=sorted(os.listdir(os.path.join(save_dir, "t"))),
             resume_exact=all(torch.equal(resumed_state[k], never_stopped[k]) for k in never_stopped),
@@ -62,6 +65,7 @@ def checkpoint_job(tmp):
             moved=tp_common.max_diff(saved_full, never_stopped),
             steps_at_load=steps_at_load,
             exported=tp_common.max_diff(exported, saved_full),
+            consolidated=tp_common.max_diff(consolidated, saved_full),
         )
     return out
 
@@ -76,6 +80,6 @@ def test_tensor_parallel_checkpoints(tmp_path):
         assert "zero_pp_rank_0_mp_rank_01_optim_states.pt" in gpt2["files"], gpt2["files"]
         for r in (llama, gpt2):
             assert r["resume_exact"], r
-            assert r["tp1_loaded"] == 0.0 and r["exported"] == 0.0, r
+            assert r["tp1_loaded"] == 0.0 and r["exported"] == 0.0 and r["consolidated"] == 0.0, r
             assert r["tp1_continued"] < 1e-5 and r["moved"] > 1e-3, r
             assert r["steps_at_load"] == STEPS_BEFORE

@@ -4,7 +4,8 @@ Every tensor rank t writes DeepSpeed's `mp_rank_{t:02d}_model_states.pt` (from i
 under ZeRO, `zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt`; the model-states file records
 `mp_world_size` and `tp_partitions` (how each sharded parameter is split: dimension and fused segments).
 
-`TensorParallelReader` presents a checkpoint saved at tensor degree T to an engine at degree T' (1 included)
+`TensorParallelReader` presents a checkpoint saved at tensor degree T to an engine at degree T' (1 included,
+or no engine: whole parameters, for consolidation)
 with the interface of `CheckpointReader`: each value (fp32 weight, per-element optimizer state) is merged
 from the T files by its saved partition, then cut to this rank's shard by the model's current partition.
 Resharding through it works for every ZeRO stage the optimizer wrappers can load from.
@@ -17,7 +18,22 @@ import torch
 from shardspeed.checkpoint.universal import CheckpointReader
 from shardspeed.module_inject.layers import TPPartition, gather_shards, shard_tensor
 
-__all__ = ["TensorParallelReader", "mp_rank", "mp_world_size", "saved_partitions", "translate_shapes"]
+__all__ = [
+    "TensorParallelReader",
+    "mp_rank",
+    "mp_world_size",
+    "open_reader",
+    "saved_partitions",
+    "translate_shapes",
+]
+
+
+def open_reader(checkpoint_dir, tag=None):
+    """A reader of whole parameters: `CheckpointReader`, or a merging one for a tensor-parallel checkpoint."""
+    reader = CheckpointReader(checkpoint_dir, tag)
+    if int(reader._model.get("mp_world_size", 1)) > 1:
+        return TensorParallelReader(reader.path, reader._model, None)
+    return reader
 
 
 def mp_rank(engine) -> int:
@@ -74,7 +90,7 @@ def needs_tp_reshard(state: dict, engine) -> bool:
 class TensorParallelReader:
     """A checkpoint of tensor degree T read by name in this engine's tensor layout (see module docstring)."""
 
-    def __init__(self, path, model_states: dict, engine):
+    def __init__(self, path, model_states: dict, engine=None):
         self.saved_tp = int(model_states.get("mp_world_size", 1))
         self.readers = [CheckpointReader(path, mp_rank=t) for t in range(self.saved_tp)]
         first = self.readers[0]
@@ -88,6 +104,24 @@ class TensorParallelReader:
 
     def param_shapes(self) -> dict[str, torch.Size]:
         return {n: torch.Size(s) for n, s in self._shapes.items()}
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self._shapes[name])
+
+    def frozen_param_names(self) -> list[str]:
+        return self.readers[0].frozen_param_names()
+
+    def shared_params(self) -> dict[str, str]:
+        return self.readers[0].shared_params()
+
+    def buffer_names(self) -> list[str]:
+        return self.readers[0].buffer_names()
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self.readers[0].buffer(name)
+
+    def state_dict_keys(self) -> list[str]:
+        return self.readers[0].state_dict_keys()
 
     def has_value(self, name: str) -> bool:
         return self.readers[0].has_value(name)
