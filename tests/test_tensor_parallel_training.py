@@ -1,7 +1,8 @@
 """AutoTP training through `initialize` equals one process: tp 2 (2 ranks) and tp 2 x dp 2 (4 ranks), a
 LLaMA-style and a GPT-2-style model, AdamW, global-norm clipping active (the reported norm equals the
 unsharded one), ZeRO 0/1/2 over the data axis, gradient accumulation, bf16 within a stated tolerance,
-vocabulary-parallel head; per-rank parameter counts; config errors; tensor-parallel getters."""
+vocabulary-parallel head, activation checkpointing with partition_activations; per-rank parameter counts;
+tp_model_init; config errors; tensor-parallel getters."""
 
 from harness import run_ranks
 
@@ -105,6 +106,18 @@ def training_job(cases, with_errors: bool):
         ))  # fmt: skip
         engine.destroy()
     if with_errors:
+        import torch
+
+        recorded = shardspeed.tp_model_init(tp_models.build("llama"), tp_size=2, dtype=torch.float32)
+        plain = tp_common.config(2)
+        del plain["tensor_parallel"]
+        engine, *_ = shardspeed.initialize(model=recorded, optimizer=tp_common.adamw, config=plain)
+        out["tp_model_init"] = (engine.tensor_parallel.size, len(engine.tensor_parallel.report.row))
+        engine.destroy()
+        conflicting = shardspeed.tp_model_init(tp_models.build("llama"), tp_size=2, dtype=torch.float32)
+        out["tp_model_init_conflict"] = _error(lambda: shardspeed.initialize(model=conflicting,
+                                                                            optimizer=tp_common.adamw,
+                                                                            config=tp_common.config(3)))  # fmt: skip
         out["not_dividing"] = _error(lambda: shardspeed.initialize(model=tp_models.build("llama"),
                                                                   optimizer=tp_common.adamw,
                                                                   config=tp_common.config(3)))  # fmt: skip
@@ -141,6 +154,8 @@ def test_tp2_equals_one_process():
     res = results[0]
     assert "autotp_size: 3 does not divide the world size 2" in res["not_dividing"], res["not_dividing"]
     assert "zero_optimization.stage: 3" in res["stage3"], res["stage3"]
+    assert res["tp_model_init"] == (2, 4)  # recorded tp_size applied at initialize: 4 row-parallel layers
+    assert "autotp_size: 3 conflicts with tp_model_init(tp_size=2)" in res["tp_model_init_conflict"]
     assert "num_key_value_heads = 1" in res["kv_heads"] and "size 2" in res["kv_heads"], res["kv_heads"]
 
 
