@@ -46,8 +46,8 @@ def _count_bytes(counter: dict) -> None:
             continue
 
         def wrapped(*args, _original=original, **kwargs):
-            if counter["on"]:
-                counter["bytes"] += nbytes(args[0] if args else next(iter(kwargs.values())))
+            if counter["on"]:  # the collective's full buffer: the largest tensor (list) handed to it
+                counter["bytes"] += max([nbytes(a) for a in args] + [nbytes(v) for v in kwargs.values()])
             return _original(*args, **kwargs)
 
         setattr(dist, name, wrapped)
