@@ -13,7 +13,7 @@ from shardspeed.pipe.engine import PipelineEngine
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
-from shardspeed.runtime.layout import data_parallel_world, merge_tp_model_init
+from shardspeed.runtime.layout import build_parallel_grid, data_parallel_world, merge_tp_model_init
 from shardspeed.runtime.tensor_parallel import prepare_tensor_parallel
 
 
@@ -88,9 +88,10 @@ def initialize(
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
 
+    mpu = build_parallel_grid(cfg, mpu)  # the user's mpu, or a (data, model) grid for tensor parallelism
     tensor_parallel = None
     if tp_size > 1:
-        mpu, tensor_parallel, model_parameters = prepare_tensor_parallel(
+        tensor_parallel, model_parameters = prepare_tensor_parallel(
             cfg, model, mpu, model_parameters, optimizer
         )
 

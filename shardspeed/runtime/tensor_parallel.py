@@ -25,20 +25,19 @@ from shardspeed import accelerator
 from shardspeed.config import ConfigError
 from shardspeed.module_inject.auto_tp import TPReport, shard_model
 from shardspeed.module_inject.tp_state import partitions_of
-from shardspeed.runtime.layout import build_parallel_grid, tensor_group
+from shardspeed.runtime.layout import tensor_group
 from shardspeed.utils.logging import log_dist
 
 __all__ = ["TensorParallel", "prepare_tensor_parallel"]
 
 
-def prepare_tensor_parallel(config, model, mpu, model_parameters, optimizer):
-    """`initialize`'s tensor-parallel step (collective): the grid, the sharded model's part, and the
-    client's parameters / optimizer pointed at the shards. Returns (grid, part, model_parameters)."""
-    grid = build_parallel_grid(config, mpu)
+def prepare_tensor_parallel(config, model, grid, model_parameters, optimizer):
+    """`initialize`'s tensor-parallel step (collective over the tensor group): the sharded model's part, and
+    the client's parameters / optimizer pointed at the shards. Returns (part, model_parameters)."""
     part = TensorParallel.shard(model, grid, config)
     if isinstance(optimizer, torch.optim.Optimizer):
         part.remap_optimizer(optimizer)
-    return grid, part, part.remap(model_parameters)
+    return part, part.remap(model_parameters)
 
 
 class TensorParallel:
