@@ -123,12 +123,13 @@ def run_job(impl: str, tp: int, steps: int) -> dict:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    per_step = [max(r[1][i] for r in results) for i in range(steps)]  # a step ends with its slowest rank
+    # a step ends with its slowest rank; the loss is the mean over ranks (tensor ranks repeat their replica's)
+    per_step = [max(r[1][i] for r in results) for i in range(steps)]
     median = statistics.median(per_step)
     tokens = MICRO * SEQ * (WORLD // tp)
     return dict(step_s=median, step_min=min(per_step), step_max=max(per_step), tokens_per_s=tokens / median,
                 bytes_per_step=sum(r[2] for r in results) / steps,
-                loss=statistics.mean(results[0][3]))  # fmt: skip
+                loss=statistics.mean(statistics.mean(r[3]) for r in results))  # fmt: skip
 
 
 def worker(args) -> None:
