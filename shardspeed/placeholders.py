@@ -6,11 +6,15 @@ As in DeepSpeed, it only records its arguments on the model; `initialize` merges
 
 from __future__ import annotations
 
+import torch
+
 __all__ = ["tp_model_init"]
 
 
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
     """Record `tp_size` (and `dtype`, `config`) for `initialize`, which does the sharding. Returns `model`."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tp_model_init: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_model_init: tp_size must be a positive integer, got {tp_size!r}")
     if kwargs.get("tp_group") is not None:
