@@ -14,7 +14,8 @@ from shardspeed.pipe.engine import PipelineEngine
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
-from shardspeed.runtime.layout import build_parallel_grid
+from shardspeed.runtime.layout import build_parallel_grid, data_parallel_world, merge_tp_model_init
+from shardspeed.runtime.tensor_parallel import prepare_tensor_parallel
 
 
 def _config_source(args, config, config_params):
@@ -98,9 +99,10 @@ def initialize(
         model_parameters = list(model_parameters)
     # A bad config is refused before a process group (or anything else) exists: validated at the world
     # size the launcher announces, its optimizer and scheduler blocks tried on a throwaway parameter.
-    cfg = load_config(
-        source, world_size=_data_world_size(source, _announced_world_size(model, mpu, distributed_port), mpu)
-    )
+    source, tp_size = merge_tp_model_init(source, model)  # batch sizes count data-parallel replicas only
+    announced = _announced_world_size(model, mpu, distributed_port)
+    world = announced if mpu is not None else data_parallel_world(announced, tp_size)
+    cfg = load_config(source, world_size=_data_world_size(source, world, mpu))
     check_config_blocks(cfg, optimizer, lr_scheduler, model_parameters)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
@@ -113,7 +115,13 @@ def initialize(
                 "initialize(mpu=...) cannot be combined with a PipelineModule (it has a topology)"
             )
         mpu = model.mpu()
-    mpu = build_parallel_grid(cfg, mpu)  # sequence-parallel groups when the config asks for them
+    # the user's mpu (or the pipeline's grid), or a grid for tensor or sequence parallelism from the config
+    mpu = build_parallel_grid(cfg, mpu)
+    tensor_parallel = None
+    if tp_size > 1:
+        tensor_parallel, model_parameters = prepare_tensor_parallel(
+            cfg, model, mpu, model_parameters, optimizer
+        )
     if mesh_param is not None and mesh_param[0] * mesh_param[1] != dist.get_world_size():
         raise ValueError(f"mesh_param {tuple(mesh_param)} (data, sequence) does not multiply to the world size "
                          f"({dist.get_world_size()})")  # fmt: skip
@@ -132,6 +140,8 @@ def initialize(
         mpu=mpu,
         collate_fn=collate_fn,
     )
+    if tensor_parallel is not None:
+        tensor_parallel.attach(engine)
     if "activation_checkpointing" in cfg.raw:  # DeepSpeed leaves this to the user; see compatibility.md
         from shardspeed import checkpointing
 

@@ -78,6 +78,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         # tensor-parallel axis, where DeepSpeed splits transfers between stages over the tensor ranks.
         "pipeline",
         "sequence_parallel_size",  # Ulysses: sequence groups from the topology (runtime/layout.py)
+        "tensor_parallel",
     }
 )
 

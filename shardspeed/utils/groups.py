@@ -1,11 +1,11 @@
 """DeepSpeed's `deepspeed.utils.groups` getters for the process groups of each parallel axis.
 
-Integrations (Accelerate, Transformers) and user code ask this module for the data- and sequence-parallel
-groups. The answers come from the grid the latest `initialize` built or was given as `mpu`
-(`runtime.layout.latest_grid`); no group is held here. Without a grid, data parallelism spans the world and
-every other axis has size 1 and position 0, which is what DeepSpeed answers when that axis is not configured.
-The expert getters (`group_name` is "ep_size_<n>") answer from the expert groups the latest `initialize`
-built (shardspeed/moe/groups.py).
+Integrations (Accelerate, Transformers) and user code ask this module for the data-, tensor- and
+sequence-parallel groups. The answers come from the grid (or the user's mpu) the latest `initialize` ran
+with (`runtime.layout.latest_grid`); with none, data parallelism spans the world and every other axis has
+size 1 and position 0, which is what DeepSpeed answers when that axis is not configured. No process group
+is held here. The expert getters (`group_name` is "ep_size_<n>") answer from the expert groups the latest
+`initialize` built (shardspeed/moe/groups.py).
 """
 
 from __future__ import annotations
@@ -38,23 +38,24 @@ __all__ = [
     "_get_sequence_parallel_group",
     "_get_sequence_parallel_rank",
     "_get_sequence_parallel_world_size",
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_model_parallel_group",
+    "get_model_parallel_rank",
+    "get_model_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size",
 ]
 
 
-def _ask(method: str, default):
-    """`latest_grid().<method>()` when the grid has that method, else `default()`."""
+def _ask(getter: str, default):
     grid = latest_grid()
-    if grid is not None and hasattr(grid, method):
-        return getattr(grid, method)()
-    return default()
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    if grid is not None and hasattr(grid, getter):
+        return getattr(grid, getter)()
+    return default() if callable(default) else default
 
 
 def _get_data_parallel_group():
@@ -62,19 +63,42 @@ def _get_data_parallel_group():
 
 
 def _get_data_parallel_world_size() -> int:
-    return _ask("get_data_parallel_world_size", _world_size)
+    return _ask("get_data_parallel_world_size", lambda: dist.get_world_size() if dist.is_initialized() else 1)
 
 
 def _get_data_parallel_rank() -> int:
-    return _ask("get_data_parallel_rank", _rank)
+    return _ask("get_data_parallel_rank", lambda: dist.get_rank() if dist.is_initialized() else 0)
 
 
-def _get_model_parallel_world_size() -> int:
-    return _ask("get_model_parallel_world_size", lambda: 1)
+def get_tensor_model_parallel_group():
+    return _ask("get_tensor_model_parallel_group", None)
 
 
-def _get_model_parallel_rank() -> int:
-    return _ask("get_model_parallel_rank", lambda: 0)
+def get_tensor_model_parallel_world_size() -> int:
+    return _ask("get_tensor_model_parallel_world_size", 1)
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _ask("get_tensor_model_parallel_rank", 0)
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tensor rank 0 in this rank's tensor group."""
+    group = get_tensor_model_parallel_group()
+    if group is None:
+        return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_global_rank(group, 0)
+
+
+# DeepSpeed's AutoTP getters answer "model parallel" with the tensor group
+get_model_parallel_group = get_tensor_model_parallel_group
+get_model_parallel_world_size = get_tensor_model_parallel_world_size
+get_model_parallel_rank = get_tensor_model_parallel_rank
+_get_model_parallel_world_size = get_tensor_model_parallel_world_size
+_get_model_parallel_rank = get_tensor_model_parallel_rank
+get_data_parallel_group = _get_data_parallel_group
+get_data_parallel_world_size = _get_data_parallel_world_size
+get_data_parallel_rank = _get_data_parallel_rank
 
 
 def _get_sequence_parallel_group():

@@ -55,7 +55,11 @@ CHECK_NAMES = textwrap.dedent(
     acc = get_accelerator()
     assert acc.device_name() == "cpu" and acc.communication_backend_name() == "gloo" and acc.is_available()
     assert acc.current_device_name() == "cpu" and acc.device_name(0) == "cpu"
-    for call in (lambda: tp_model_init(None, tp_size=2, dtype=None), lambda: UlyssesSPDataLoaderAdapter(None)):
+    import torch
+    recorded = torch.nn.Linear(2, 2)
+    assert tp_model_init(recorded, tp_size=2, dtype=torch.float32) is recorded  # records; initialize shards
+    assert recorded._shardspeed_tp_model_init["tp_size"] == 2
+    for call in (lambda: UlyssesSPDataLoaderAdapter(None),):
         try:
             call()
         except NotImplementedError as error:
