@@ -32,6 +32,8 @@ _LAZY = {
     "comm": ("shardspeed.comm", None),
     "init_distributed": ("shardspeed.comm.init", "init_distributed"),
     "initialize": ("shardspeed.api", "initialize"),
+    "init_inference": ("shardspeed.inference", "init_inference"),
+    "InferenceEngine": ("shardspeed.inference.engine", "InferenceEngine"),
     "tp_model_init": ("shardspeed.placeholders", "tp_model_init"),
     "monitor": ("shardspeed.monitor", None),
     "profiling": ("shardspeed.profiling", None),
