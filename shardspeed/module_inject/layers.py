@@ -1,0 +1,142 @@
+"""Tensor-parallel layers (DeepSpeed's `deepspeed.module_inject.layers` names) and the shard layout they use.
+
+- `LinearLayer`: column-parallel linear. Holds rows `[r*out/tp, (r+1)*out/tp)` of the weight (and of the
+  bias); its output stays split over the tensor group (the next row-parallel layer consumes it as is).
+- `LinearAllreduce`: row-parallel linear. Holds a slice of the input features; the partial products are
+  summed over the tensor group in forward, then the (replicated) bias is added once.
+
+Both keep the orientation of the layer they replace: a Hugging Face `Conv1D` (GPT-2, weight `[in, out]`,
+`y = x @ W + b`) stays `[in, out]`, so state-dict names and layouts read like the original model's.
+
+Every sharded parameter carries a `TPPartition` (`param.tp_partition`): the dimension it is split along and
+the *segments* of that dimension. A fused projection (GPT-2's `c_attn` = [q; k; v], or a GQA `qkv_proj`
+with unequal parts) has several segments, each split over the ranks separately, so that rank r holds
+[q_r; k_r; v_r] and its attention heads stay whole. `shard_tensor` and `gather_shards` are the two
+directions of that layout; checkpoints and `save_16bit_model` use them to merge or re-split weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardspeed.module_inject.tp_comm import copy_to_tensor_parallel, group_size, reduce_from_tensor_parallel
+
+__all__ = ["LinearAllreduce", "LinearLayer", "TPPartition", "gather_shards", "shard_tensor"]
+
+
+@dataclass(frozen=True)
+class TPPartition:
+    """How a parameter is split over `tp_size` ranks: along `dim`, each of `segments` (full sizes) separately."""
+
+    dim: int
+    segments: tuple[int, ...]
+    tp_size: int
+
+    def check(self, what: str) -> None:
+        bad = [s for s in self.segments if s % self.tp_size]
+        if bad:
+            raise ValueError(
+                f"{what}: size {bad[0]} along dim {self.dim} (of segments {list(self.segments)}) is not "
+                f"divisible by the tensor-parallel size {self.tp_size}"
+            )
+
+    def as_dict(self) -> dict:
+        return {"dim": self.dim, "segments": list(self.segments), "tp_size": self.tp_size}
+
+
+def shard_tensor(full: torch.Tensor, part: TPPartition, rank: int) -> torch.Tensor:
+    """Rank `rank`'s shard of `full`: its slice of every segment along `part.dim`, concatenated."""
+    pieces, offset = [], 0
+    for size in part.segments:
+        step = size // part.tp_size
+        pieces.append(full.narrow(part.dim, offset + rank * step, step))
+        offset += size
+    return torch.cat(pieces, dim=part.dim) if len(pieces) > 1 else pieces[0]
+
+
+def gather_shards(shards: list[torch.Tensor], part: TPPartition) -> torch.Tensor:
+    """The full tensor from every rank's shard (the inverse of `shard_tensor`)."""
+    per_rank = [s // part.tp_size for s in part.segments]
+    split = [shard.split(per_rank, dim=part.dim) for shard in shards]
+    segments = [
+        torch.cat([split[r][i] for r in range(len(shards))], dim=part.dim) for i in range(len(per_rank))
+    ]
+    return torch.cat(segments, dim=part.dim) if len(segments) > 1 else segments[0]
+
+
+def _sharded_parameter(full: torch.Tensor, part: TPPartition, rank: int, requires_grad: bool) -> nn.Parameter:
+    param = nn.Parameter(shard_tensor(full.detach(), part, rank).clone(), requires_grad=requires_grad)
+    param.tp_partition = part
+    return param
+
+
+class _TPLinear(nn.Module):
+    """Shared state of the two parallel linears: the group, the orientation, local sizes."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, transposed: bool):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.tp_group = group
+        self.tp_world_size = group_size(group)
+        self.transposed = transposed  # Conv1D orientation: weight is [in, out]
+        out_dim, in_dim = (1, 0) if transposed else (0, 1)
+        self.in_features, self.out_features = weight.shape[in_dim], weight.shape[out_dim]
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight if self.transposed else F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} (this rank), "
+            f"bias={self.bias is not None}, tp={self.tp_world_size}, transposed={self.transposed}"
+        )
+
+
+class LinearLayer(_TPLinear):
+    """Column-parallel linear: this rank's output features; the input's gradient is summed over the group."""
+
+    @classmethod
+    def from_module(cls, module: nn.Module, group, rank: int, segments=None, transposed: bool = False):
+        weight = module.weight
+        out_dim = 1 if transposed else 0
+        size = weight.shape[out_dim]
+        tp = group_size(group)
+        part = TPPartition(out_dim, tuple(segments or (size,)), tp)
+        w = _sharded_parameter(weight, part, rank, weight.requires_grad)
+        b = None
+        if getattr(module, "bias", None) is not None:
+            b = _sharded_parameter(
+                module.bias, TPPartition(0, part.segments, tp), rank, module.bias.requires_grad
+            )
+        return cls(w, b, group, transposed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(copy_to_tensor_parallel(x, self.tp_group))
+        return out + self.bias if self.bias is not None else out
+
+
+class LinearAllreduce(_TPLinear):
+    """Row-parallel linear: this rank's input features; outputs summed over the group, bias added once."""
+
+    @classmethod
+    def from_module(cls, module: nn.Module, group, rank: int, transposed: bool = False):
+        weight = module.weight
+        in_dim = 0 if transposed else 1
+        part = TPPartition(in_dim, (weight.shape[in_dim],), group_size(group))
+        w = _sharded_parameter(weight, part, rank, weight.requires_grad)
+        bias = getattr(module, "bias", None)
+        b = (
+            nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+            if bias is not None
+            else None
+        )
+        return cls(w, b, group, transposed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = reduce_from_tensor_parallel(self._matmul(x), self.tp_group)
+        return out + self.bias if self.bias is not None else out

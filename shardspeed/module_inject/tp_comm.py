@@ -1,0 +1,64 @@
+"""Autograd functions that move activations into and out of a tensor-parallel region.
+
+Megatron's pair, named for what they do forward and backward:
+
+- `copy_to_tensor_parallel(x, group)`: identity forward, all-reduce (sum) of the gradient backward. Placed in
+  front of a column-parallel layer: every tensor rank reads the same input, each contributes the part of
+  the input's gradient that its output columns produce, and the sum is the full gradient.
+- `reduce_from_tensor_parallel(x, group)`: all-reduce (sum) forward, identity backward. Placed after a
+  row-parallel layer: each rank holds a partial product over its slice of the input features.
+
+One tensor-parallel block (column layer, then row layer) therefore costs one all-reduce forward and one
+backward. A group of size 1 (or None) makes both functions the identity with no collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["copy_to_tensor_parallel", "group_size", "reduce_from_tensor_parallel"]
+
+
+def group_size(group) -> int:
+    """Number of ranks in `group`; 1 for None (no tensor parallelism)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone() if not x.is_contiguous() else x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; gradient all-reduced over `group` backward."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over `group` forward; gradient passed through unchanged backward."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTensorParallel.apply(x, group)
