@@ -131,7 +131,7 @@ class InferenceEngine(nn.Module):
 
         policy = self._config.injection_policy
         specs = policy_to_layer_specs(model, policy) if policy else None
-        self.tp_report = shard_model(model, self.mp_group, layer_specs=specs)
+        self.tp_report = shard_model(model, self.mp_group, layer_specs=specs, use_default_specs=not policy)
         logger.info(self.tp_report.summary())
 
     def _target_device(self) -> torch.device:
