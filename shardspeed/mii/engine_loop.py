@@ -65,13 +65,14 @@ class EngineLoop:
             while True:
                 with self._lock:
                     commands, self._inbox = self._inbox, []
-                if self._stop:
+                stopping = self._stop  # read once: the round's broadcast and its exit must agree
+                if stopping:
                     commands = [(_STOP, None)]
                 wire = [self._wire(cmd) for cmd in commands]
                 if self.group is not None:
                     box = [wire]
                     dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-                if self._stop:
+                if stopping:
                     return
                 self._apply(commands)
                 busy = self.batcher.step()
