@@ -93,6 +93,7 @@ class PagedKVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.max_len = max_len
         self.max_blocks = -(-max_len // block_size)
         self.device = device

@@ -69,6 +69,7 @@ class ContinuousBatcher:
         self._lock = threading.Lock()
         self.steps = 0
         self.max_running_seen = 0
+        self.cancelled_count = 0
 
     # ---- called from any thread ---------------------------------------------------------------------
     def submit(self, request: BatchRequest) -> None:
@@ -109,6 +110,7 @@ class ContinuousBatcher:
                 self.waiting = collections.deque(r for r in self.waiting if r.id not in cancelled)
         for request in [r for r in self.running if r.id in cancelled]:
             request.finish_reason = "cancelled"
+            self.cancelled_count += 1
             self._leave(request)
 
     def _outstanding_blocks(self) -> int:

@@ -20,6 +20,12 @@ import sys
 import time
 import uuid
 
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("the inference server needs its web stack: pip install 'shardspeed[serve]'") from error
+
 from shardspeed.inference.scheduler import BatchRequest, ContinuousBatcher
 
 from .engine_loop import EngineLoop
@@ -128,13 +134,11 @@ class CompletionService:
 
 
 def _error(status: int, param, message: str):
-    from fastapi.responses import JSONResponse
-
     kind = "not_found_error" if status == 404 else "invalid_request_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
 
 
-async def _json_body(request) -> dict:
+async def _json_body(request: Request) -> dict:
     try:
         body = json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as error:
@@ -152,9 +156,6 @@ def _usage(results) -> dict:
 
 def create_app(service: CompletionService):
     """The FastAPI application over a running ``CompletionService``."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
-
     app = FastAPI(title="shardspeed-serve")
 
     @app.exception_handler(RequestError)
@@ -163,7 +164,11 @@ def create_app(service: CompletionService):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok" if service.loop.error is None else "failed"}
+        batcher = service.loop.batcher
+        return {"status": "ok" if service.loop.error is None else "failed", "running": len(batcher.running),
+                "waiting": len(batcher.waiting), "cancelled_requests": batcher.cancelled_count,
+                "max_batch_seen": batcher.max_running_seen,
+                "free_kv_blocks": batcher.cache.free_blocks, "total_kv_blocks": batcher.cache.num_blocks}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
@@ -212,12 +217,16 @@ def create_app(service: CompletionService):
 async def _stream(service: CompletionService, started, completion_id: str, created: int):
     """Server-sent events, one per new piece of text; cancelling the generator cancels the requests."""
     try:
-        for index, (request, queue) in enumerate(started):
-            sent, reason = "", None
+        for index, (_, queue) in enumerate(started):
+            tokens, sent, reason = [], "", None
             while reason is None:
-                _, reason = await queue.get()
-                text = service.tokenizer.decode(request.generated, skip_special_tokens=True)
+                token, reason = await queue.get()
+                tokens.append(token)
+                # Decode everything so far: a character may span several byte tokens.
+                text = service.tokenizer.decode(tokens, skip_special_tokens=True)
                 delta, sent = text[len(sent) :], text
+                if not delta and reason is None:
+                    continue
                 chunk = {"id": completion_id, "object": "text_completion", "created": created,
                          "model": service.model_name,
                          "choices": [{"index": index, "text": delta, "finish_reason": reason, "logprobs": None}]}  # fmt: skip
