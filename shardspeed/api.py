@@ -13,6 +13,8 @@ from shardspeed.pipe.engine import PipelineEngine
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
+from shardspeed.runtime.layout import build_parallel_grid, data_parallel_world, merge_tp_model_init
+from shardspeed.runtime.tensor_parallel import prepare_tensor_parallel
 
 
 def _config_source(args, config, config_params):
@@ -77,10 +79,21 @@ def initialize(
         model_parameters = list(model_parameters)
     # A bad config is refused before a process group (or anything else) exists: validated at the world
     # size the launcher announces, its optimizer and scheduler blocks tried on a throwaway parameter.
-    cfg = load_config(source, world_size=_announced_world_size(model, mpu, distributed_port))
+    source, tp_size = merge_tp_model_init(source, model)  # batch sizes count data-parallel replicas only
+    announced = _announced_world_size(model, mpu, distributed_port)
+    cfg = load_config(
+        source, world_size=announced if mpu is not None else data_parallel_world(announced, tp_size)
+    )
     check_config_blocks(cfg, optimizer, lr_scheduler, model_parameters)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
+
+    mpu = build_parallel_grid(cfg, mpu)  # the user's mpu, or a (data, model) grid for tensor parallelism
+    tensor_parallel = None
+    if tp_size > 1:
+        tensor_parallel, model_parameters = prepare_tensor_parallel(
+            cfg, model, mpu, model_parameters, optimizer
+        )
 
     engine_class = ShardspeedEngine
     if isinstance(model, PipelineModule):  # as DeepSpeed: the pipeline engine, over the module's topology
@@ -105,6 +118,8 @@ def initialize(
         mpu=mpu,
         collate_fn=collate_fn,
     )
+    if tensor_parallel is not None:
+        tensor_parallel.attach(engine)
     if "activation_checkpointing" in cfg.raw:  # DeepSpeed leaves this to the user; see compatibility.md
         from shardspeed import checkpointing
 

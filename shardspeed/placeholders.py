@@ -1,7 +1,7 @@
-"""Top-level DeepSpeed names whose features are not built yet: present so imports resolve, refusing on use.
+"""`deepspeed.tp_model_init`: DeepSpeed 0.19.8's AutoTP training entry point, kept for compatibility.
 
-Transformers reaches `deepspeed.tp_model_init` only when the config asks for AutoTP training
-(`tensor_parallel.autotp_size > 1`). Calling it raises NotImplementedError naming the setting.
+As in DeepSpeed, it only records its arguments on the model; `initialize` merges them into the config's
+`tensor_parallel` block (a conflicting `autotp_size` is an error) and shards the model there.
 """
 
 from __future__ import annotations
@@ -10,8 +10,12 @@ __all__ = ["tp_model_init"]
 
 
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
-    """DeepSpeed's AutoTP training entry point: not implemented yet."""
-    raise NotImplementedError(
-        f"tensor parallelism (tensor_parallel.autotp_size = {tp_size}) is not implemented in shardspeed yet; "
-        f"set tensor_parallel.autotp_size to 1 (or remove it) to train with data parallelism and ZeRO"
-    )
+    """Record `tp_size` (and `dtype`, `config`) for `initialize`, which does the sharding. Returns `model`."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tp_model_init: tp_size must be a positive integer, got {tp_size!r}")
+    if kwargs.get("tp_group") is not None:
+        raise ValueError(
+            "tp_model_init(tp_group=...): pass the layout through the config's tensor_parallel block"
+        )
+    model._shardspeed_tp_model_init = {"tp_size": tp_size, "dtype": dtype, "config": config}
+    return model

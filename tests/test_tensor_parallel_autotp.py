@@ -68,6 +68,14 @@ def autotp_job():
             {"patterns": [r".*\.o_proj\.weight$"], "partition_type": "skip"}]  # fmt: skip
     report = shard_model(odd, group, layer_specs=skip)
     out["skip"] = (report.replicated, type(odd.layers[1].self_attn.o_proj).__name__)
+    # explicit fused shape from layer_specs (overrides the built-in c_attn rule): same loss as unsharded
+    spec = [{"patterns": [r".*\.c_attn\.weight$"], "partition_type": "column", "shape": [[32, 32, 32], -1]}]
+    ref, fused = tp_models.build("gpt2"), tp_models.build("gpt2")
+    shard_model(fused, group, layer_specs=spec)
+    data = tp_models.batches(1, 2)[0]
+    out["spec_shape"] = abs(fused(data).item() - ref(data).item())
+    bad_shape = [{"patterns": [r".*c_attn$"], "partition_type": "column", "shape": [[32, 32], -1]}]
+    out["bad_shape"] = _error(lambda: shard_model(tp_models.build("gpt2"), group, layer_specs=bad_shape))
     out["bad_spec"] = _error(lambda: shard_model(tp_models.build("llama"), group, layer_specs=[{"patterns": ["x"],
                                                                        "partition_type": "diagonal"}]))  # fmt: skip
     return out
@@ -99,4 +107,6 @@ def test_autotp_sharding_equals_unsharded_model():
         assert "layers.1.mlp.router" in res["unplaced"] and "layer_specs" in res["unplaced"], res["unplaced"]
         assert res["skip"] == (["layers.0.self_attn.o_proj", "layers.1.self_attn.o_proj", "layers.1.mlp.router",
                                 "lm_head"], "Linear")  # fmt: skip
+        assert res["spec_shape"] < 1e-5
+        assert "h.0.attn.c_attn" in res["bad_shape"] and "[32, 32]" in res["bad_shape"], res["bad_shape"]
         assert "partition_type" in res["bad_spec"] and "diagonal" in res["bad_spec"], res["bad_spec"]

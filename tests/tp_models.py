@@ -109,6 +109,8 @@ class _LM(nn.Module):
 
 
 class LlamaLike(_LM):
+    checkpoint_layers = False  # run each layer under shardspeed.checkpointing.checkpoint
+
     def __init__(self, dim=32, heads=4, kv_heads=2, hidden=48, layers=2, bias=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(VOCAB, dim)
@@ -119,7 +121,12 @@ class LlamaLike(_LM):
     def hidden(self, ids):
         x = self.embed_tokens(ids)
         for layer in self.layers:
-            x = layer(x)
+            if self.checkpoint_layers:
+                from shardspeed import checkpointing
+
+                x = checkpointing.checkpoint(layer, x)
+            else:
+                x = layer(x)
         return self.norm(x)
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.tensor_parallel import open_reader
 from shardspeed.checkpoint.universal import CheckpointReader
 
 __all__ = [
@@ -109,7 +110,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     DeepSpeed compatibility; the tensors are always materialised (use `CheckpointReader` for lazy reads).
     """
     del lazy_mode
-    reader = CheckpointReader(checkpoint_dir, tag)
+    reader = open_reader(checkpoint_dir, tag)  # tensor-parallel shards merged
     shared = reader.shared_params()
     state: OrderedDict = OrderedDict()
     for entry in _entries(reader, exclude_frozen_parameters):
@@ -223,7 +224,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     One `model.safetensors` (or `pytorch_model.bin` with `safe_serialization=False`), or numbered shards
     and an index when the total exceeds `max_shard_size` (None: never shard).
     """
-    reader = CheckpointReader(checkpoint_dir, tag)
+    reader = open_reader(checkpoint_dir, tag)  # tensor-parallel shards merged
     entries = _entries(reader, exclude_frozen_parameters)
     total = sum(e.nbytes for e in entries)
     shards = [entries] if max_shard_size is None else _plan_shards(entries, parse_size(max_shard_size))

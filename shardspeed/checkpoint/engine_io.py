@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.checkpoint import files, verify
+from shardspeed.checkpoint import tensor_parallel as tp_files
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.comm.collectives import all_gather_strings
 from shardspeed.utils.logging import log_dist
@@ -35,6 +36,7 @@ ENGINE_KEYS = {
     "module", "buffer_names", "optimizer", "lr_scheduler", "data_sampler", "global_steps", "global_samples",
     "skipped_steps", "micro_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "shardspeed_version", "zero_stage", "zero_partitions", "param_shapes", "frozen_param_names", "shared_params",
+    "mp_rank", "tp_partitions",
 }  # fmt: skip
 
 
@@ -128,7 +130,9 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
         "skipped_steps": engine.skipped_steps,
         "micro_steps": engine.micro_steps,
         "dp_world_size": engine.world_size,
-        "mp_world_size": 1,
+        "mp_world_size": tp_files.mp_world_size(engine),
+        "mp_rank": tp_files.mp_rank(engine),
+        "tp_partitions": {n: p.as_dict() for n, p in tp_files._current_partitions(engine).items()},
         "zero_stage": engine.zero_optimization_stage(),
         # partition files written (none when there is no optimizer, or at stage 0): checked on load
         "zero_partitions": 0
@@ -175,12 +179,15 @@ def save_checkpoint(
     rank = dist.get_rank()
     if engine.dp_rank == 0:
         files.save_file(
-            _model_states(engine, client_state, exclude_frozen), staging / files.model_states_name()
+            _model_states(engine, client_state, exclude_frozen),
+            staging / files.model_states_name(tp_files.mp_rank(engine)),
         )
     if engine.optimizer is not None and not _replicated_optimizer(engine):
         partition = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config,
                      "ds_version": __version__}  # fmt: skip
-        files.save_file(partition, staging / files.zero_optim_states_name(engine.dp_rank))
+        files.save_file(
+            partition, staging / files.zero_optim_states_name(engine.dp_rank, tp_files.mp_rank(engine))
+        )
     files.save_file(_rng_state(), staging / files.rng_states_name(rank))
     finish_save(save_dir, tag, staging, save_latest)
     log_dist(f"saved checkpoint {save_dir / tag}")
@@ -271,9 +278,11 @@ def _needs_reshard(engine, state: dict, path: Path) -> bool:
         return saved_stage == 3 or stage == 3
     if state.get("dp_world_size", 1) != engine.world_size or saved_stage != stage:
         return True
+    if tp_files.needs_tp_reshard(state, engine):
+        return True
     if stage == 0:
         return False
-    partition = path / files.zero_optim_states_name(engine.dp_rank)
+    partition = path / files.zero_optim_states_name(engine.dp_rank, tp_files.mp_rank(engine))
     if not partition.is_file():
         return False  # the same-layout path reports the missing file
     try:
@@ -291,7 +300,10 @@ def _load_resharded(engine, state: dict, path: Path, strict: bool, load_optimize
     """Load a checkpoint of any stage and world size: every rank assembles its own shards by name."""
     from shardspeed.checkpoint.universal import CheckpointReader
 
-    reader = CheckpointReader(path, model_states=state)
+    if tp_files.needs_tp_reshard(state, engine):  # another tensor degree: merge and re-split by name
+        reader = tp_files.TensorParallelReader(path, state, engine)
+    else:
+        reader = CheckpointReader(path, model_states=state, mp_rank=state.get("mp_rank", 0))
     log_dist(
         f"resharding checkpoint {path}: saved at ZeRO stage {reader.zero_stage} by {reader.world_size} "
         f"data-parallel ranks, loading at stage {engine.zero_optimization_stage()} on {engine.world_size}",
@@ -342,7 +354,7 @@ def _check_same_model(engine, reader, strict: bool, path: Path) -> None:
 def _check_names_and_shapes(engine, state: dict, strict: bool, path: Path) -> None:
     """The checkpoint's parameters against the model's, from the recorded shapes (nothing loaded yet)."""
     ours = _param_shapes(engine)
-    saved = {n: tuple(s) for n, s in state["param_shapes"].items()}
+    saved = tp_files.translate_shapes(state, engine)  # at this engine's tensor degree
     mismatched = [
         f"{name!r}: checkpoint {saved[name]}, model {shape}"
         for name, shape in ours.items()
@@ -402,7 +414,9 @@ def _load_stage3(engine, state: dict, path: Path, load_optimizer_states: bool) -
     params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     if unexpected or [k for k in missing if k not in params]:
         raise CheckpointError(f"checkpoint {path} buffers do not match the model: {missing + unexpected}")
-    saved = files.load_file(path / files.zero_optim_states_name(engine.dp_rank))["optimizer_state_dict"]
+    saved = files.load_file(path / files.zero_optim_states_name(engine.dp_rank, tp_files.mp_rank(engine)))[
+        "optimizer_state_dict"
+    ]
     try:
         engine.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer_states)
     except (KeyError, ValueError, RuntimeError) as err:
@@ -420,7 +434,9 @@ def _load_optimizer(engine, state: dict, load_optimizer_states: bool, path: Path
     if optimizer.zero_stage == 0 or not load_optimizer_states:
         saved = state.get("optimizer")
     else:
-        saved = files.load_file(path / files.zero_optim_states_name(engine.dp_rank))["optimizer_state_dict"]
+        saved = files.load_file(
+            path / files.zero_optim_states_name(engine.dp_rank, tp_files.mp_rank(engine))
+        )["optimizer_state_dict"]
     if not load_optimizer_states or saved is None:
         if hasattr(optimizer, "refresh_masters_from_module"):
             optimizer.refresh_masters_from_module()

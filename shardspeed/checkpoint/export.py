@@ -2,7 +2,8 @@
 
 Under ZeRO-3 the weights exist only as shards, so (as DeepSpeed) the export needs
 `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`; it then gathers one unit at a time,
-so no rank ever holds more than the output plus one unit. A `.safetensors` file name writes safetensors.
+so no rank ever holds more than the output plus one unit. Under tensor parallelism each sharded weight is
+gathered whole from its tensor group. A `.safetensors` file name writes safetensors.
 """
 
 from __future__ import annotations
@@ -41,10 +42,18 @@ def consolidated_16bit_state_dict(engine, exclude_frozen_parameters: bool = Fals
     """
     stage3 = engine.zero_optimization_stage() == 3
     params = _gathered_state_dict(engine) if stage3 else None
+    module_state = engine.module.state_dict()
+    tensor_parallel = getattr(engine, "tensor_parallel", None)
+    if (
+        tensor_parallel is not None
+    ):  # whole weights from every tensor rank's shard (collective per tensor group)
+        from shardspeed.module_inject.tp_state import tp_full_state_dict
+
+        module_state = tp_full_state_dict(engine.module, tensor_parallel.group, module_state)
     if dist.get_rank() != 0:
         return None
     state = {}
-    for key, value in engine.module.state_dict().items():
+    for key, value in module_state.items():
         state[key] = value.detach().cpu() if params is None or value.numel() else value
     if params is not None:
         shared = shared_params(engine.module)

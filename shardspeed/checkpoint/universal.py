@@ -71,10 +71,13 @@ class CheckpointReader:
     `model_states` may pass the already loaded model-states file (the engine has read it) to skip a re-read.
     """
 
-    def __init__(self, checkpoint_dir, tag=None, *, model_states: dict | None = None):
+    def __init__(self, checkpoint_dir, tag=None, *, model_states: dict | None = None, mp_rank: int = 0):
         self.path = resolve_tag_dir(checkpoint_dir, tag)
+        self.mp_rank = mp_rank  # tensor rank whose files this reader reads (checkpoint/tensor_parallel.py)
         self._model = (
-            model_states if model_states is not None else _load_mapped(self.path / files.model_states_name())
+            model_states
+            if model_states is not None
+            else _load_mapped(self.path / files.model_states_name(mp_rank))
         )
         if "param_shapes" not in self._model:
             raise CheckpointError(
@@ -119,7 +122,7 @@ class CheckpointReader:
         self._scaler = saved.get("loss_scaler")
 
     def _rank_path(self, rank: int) -> Path:
-        return self.path / files.zero_optim_states_name(rank)
+        return self.path / files.zero_optim_states_name(rank, self.mp_rank)
 
     def _index_partitions(self) -> None:
         missing = [r for r in range(self.world_size) if not self._rank_path(r).is_file()]

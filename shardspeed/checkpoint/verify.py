@@ -27,7 +27,11 @@ from shardspeed.utils.logging import logger
 
 __all__ = ["check_consistent", "open_checkpoint"]
 
-_PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+
+def _partition_pattern(mp_rank: int) -> re.Pattern:
+    return re.compile(rf"zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_optim_states\.pt")
+
+
 _RNG = re.compile(r"rng_states_rank_(\d+)\.pt")
 _OK, _ABSENT, _ERROR = "ok", "absent", "error"
 
@@ -39,7 +43,7 @@ def open_checkpoint(engine, load_dir: Path, tag, check: Callable[[Path, dict], N
     reading) raises on any rank is raised on every rank."""
     opened = None
     try:
-        opened = _find(load_dir, tag)
+        opened = _find(load_dir, tag, _mp_rank(engine))
         if opened is None:
             verdict = f"{_ABSENT}:"
         else:
@@ -61,7 +65,12 @@ def open_checkpoint(engine, load_dir: Path, tag, check: Callable[[Path, dict], N
     return opened
 
 
-def _find(load_dir: Path, tag) -> tuple[Path, dict] | None:
+def _mp_rank(engine) -> int:
+    part = getattr(engine, "tensor_parallel", None)
+    return part.rank if part is not None else 0
+
+
+def _find(load_dir: Path, tag, mp_rank: int = 0) -> tuple[Path, dict] | None:
     if tag is None:
         tag = files.read_latest(load_dir)
         if tag is None:
@@ -90,7 +99,9 @@ def _find(load_dir: Path, tag) -> tuple[Path, dict] | None:
         logger.warning(
             f"loading {path}: the previous copy of tag {tag!r}, as a re-save of it was interrupted"
         )
-    return path, files.read_checkpoint(path / files.model_states_name())
+    # this tensor rank's file; a checkpoint of a lower tensor degree has only the first (merged on load)
+    own = path / files.model_states_name(mp_rank)
+    return path, files.read_checkpoint(own if own.is_file() else path / files.model_states_name())
 
 
 def _indices(path: Path, pattern: re.Pattern) -> list[int]:
@@ -130,7 +141,7 @@ def check_consistent(engine, path: Path, state: dict, partitions_needed: bool) -
     if own_rng.exists():
         files.read_checkpoint(own_rng)
 
-    present = _indices(path, _PARTITION)
+    present = _indices(path, _partition_pattern(state.get("mp_rank", 0)))
     if stage == 0 and present:
         raise CheckpointError(
             f"checkpoint {path} records ZeRO stage 0 ({model_file.name}), but holds ZeRO partition files of "
@@ -153,7 +164,7 @@ def check_consistent(engine, path: Path, state: dict, partitions_needed: bool) -
         )
     from shardspeed.checkpoint.universal import CheckpointReader
 
-    reader = CheckpointReader(path, model_states=state)
+    reader = CheckpointReader(path, model_states=state, mp_rank=state.get("mp_rank", 0))
     mine = [r for r in expected if r % engine.world_size == engine.dp_rank]
     for rank in mine:
         reader.check_rank_file(rank)

@@ -68,6 +68,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         # The pipeline engine reads the whole block; pipe_partitioned/grad_partitioned only matter with a
         # tensor-parallel axis, where DeepSpeed splits transfers between stages over the tensor ranks.
         "pipeline",
+        "tensor_parallel",
     }
 )
 

@@ -50,6 +50,7 @@ from .monitoring import (
     TimersConfig,
     WandbConfig,
 )
+from .tensor_parallel import TensorParallelConfig
 from .zero import ZeroConfig
 
 
@@ -183,6 +184,8 @@ class ShardspeedConfig:
     """Data efficiency library."""
     vocabulary_size: PositiveInt | None = None
     """Vocabulary size (DeepSpeed warns when not a multiple of 8). Default null."""
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    """AutoTP training (tensor parallelism)."""
     sequence_parallel_size: PositiveInt = 1
     """Sequence-parallel degree (Ulysses). Default 1."""
     # Blocks with large, open-ended schemas: accepted as objects and passed through unvalidated.
@@ -190,8 +193,6 @@ class ShardspeedConfig:
     """Compression (quantization/pruning) schedules."""
     quantize_training: FreeForm = None
     """MoQ quantize-aware training."""
-    tensor_parallel: FreeForm = None
-    """Automatic tensor parallelism."""
     expert_parallel: FreeForm = None
     """Automatic expert parallelism."""
     weight_quantization: FreeForm = None

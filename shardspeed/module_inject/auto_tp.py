@@ -176,8 +176,9 @@ class _Sharder:
             if not _is_linear(module):
                 continue
             spec = _spec_for(name, self.specs)
-            if spec is not None:
-                plan[name] = (spec.kind, None, spec)
+            if spec is not None:  # the name's fused kind still applies (heads checked and divided)
+                default = _default_kind(name)
+                plan[name] = (spec.kind, default[1] if default and default[0] == spec.kind else None, spec)
                 continue
             kind = _default_kind(name) if self.use_defaults and _in_block(name) else None
             if kind is not None:
@@ -300,7 +301,7 @@ def shard_model(model: nn.Module, tp_group, *, layer_specs=None, vocab_parallel:
             sharder.report.replicated.append(name)
             continue
         _replace(model, name, sharder.shard_linear(name, module, kind, fused, spec))
-        if kind == "column" and (fused == "qkv" or leaf in Q_NAMES | KV_NAMES):
+        if kind == "column" and (fused == "qkv" or leaf in Q_NAMES | KV_NAMES | FUSED_QKV_NAMES):
             attention_parents.add(name.rpartition(".")[0])
     sharder.divide_heads(attention_parents)
     if vocab_parallel:

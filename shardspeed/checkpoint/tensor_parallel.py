@@ -1,0 +1,178 @@
+"""Tensor-parallel checkpoints: each tensor rank's files, and loading at another tensor degree.
+
+Every tensor rank t writes DeepSpeed's `mp_rank_{t:02d}_model_states.pt` (from its data-parallel rank 0) and,
+under ZeRO, `zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt`; the model-states file records
+`mp_world_size` and `tp_partitions` (how each sharded parameter is split: dimension and fused segments).
+
+`TensorParallelReader` presents a checkpoint saved at tensor degree T to an engine at degree T' (1 included,
+or no engine: whole parameters, for consolidation)
+with the interface of `CheckpointReader`: each value (fp32 weight, per-element optimizer state) is merged
+from the T files by its saved partition, then cut to this rank's shard by the model's current partition.
+Resharding through it works for every ZeRO stage the optimizer wrappers can load from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardspeed.checkpoint.universal import CheckpointReader
+from shardspeed.module_inject.layers import TPPartition, gather_shards, shard_tensor
+
+__all__ = [
+    "TensorParallelReader",
+    "mp_rank",
+    "mp_world_size",
+    "open_reader",
+    "saved_partitions",
+    "translate_shapes",
+]
+
+
+def open_reader(checkpoint_dir, tag=None):
+    """A reader of whole parameters: `CheckpointReader`, or a merging one for a tensor-parallel checkpoint."""
+    reader = CheckpointReader(checkpoint_dir, tag)
+    if int(reader._model.get("mp_world_size", 1)) > 1:
+        return TensorParallelReader(reader.path, reader._model, None)
+    return reader
+
+
+def mp_rank(engine) -> int:
+    part = getattr(engine, "tensor_parallel", None)
+    return part.rank if part is not None else 0
+
+
+def mp_world_size(engine) -> int:
+    part = getattr(engine, "tensor_parallel", None)
+    return part.size if part is not None else 1
+
+
+def _current_partitions(engine) -> dict[str, TPPartition]:
+    part = getattr(engine, "tensor_parallel", None)
+    return dict(part.partitions) if part is not None else {}
+
+
+def saved_partitions(state: dict) -> dict[str, TPPartition]:
+    return {
+        name: TPPartition(int(p["dim"]), tuple(p["segments"]), int(p["tp_size"]))
+        for name, p in (state.get("tp_partitions") or {}).items()
+    }
+
+
+def _local_shape(full: tuple, part: TPPartition | None) -> tuple:
+    if part is None:
+        return tuple(full)
+    shape = list(full)
+    shape[part.dim] //= part.tp_size
+    return tuple(shape)
+
+
+def _full_shape(local: tuple, part: TPPartition | None) -> tuple:
+    if part is None:
+        return tuple(local)
+    shape = list(local)
+    shape[part.dim] *= part.tp_size
+    return tuple(shape)
+
+
+def translate_shapes(state: dict, engine) -> dict[str, tuple]:
+    """The checkpoint's recorded parameter shapes as this engine's tensor rank would hold them."""
+    saved, current = saved_partitions(state), _current_partitions(engine)
+    return {
+        n: _local_shape(_full_shape(tuple(s), saved.get(n)), current.get(n))
+        for n, s in state["param_shapes"].items()
+    }
+
+
+def needs_tp_reshard(state: dict, engine) -> bool:
+    return int(state.get("mp_world_size", 1)) != mp_world_size(engine)
+
+
+class TensorParallelReader:
+    """A checkpoint of tensor degree T read by name in this engine's tensor layout (see module docstring)."""
+
+    def __init__(self, path, model_states: dict, engine=None):
+        self.saved_tp = int(model_states.get("mp_world_size", 1))
+        self.readers = [CheckpointReader(path, mp_rank=t) for t in range(self.saved_tp)]
+        first = self.readers[0]
+        self.path, self.zero_stage, self.world_size = first.path, first.zero_stage, first.world_size
+        self.saved = saved_partitions(model_states)
+        self.current = _current_partitions(engine)
+        self.rank = mp_rank(engine)
+        self._shapes = translate_shapes(model_states, engine)
+
+    # -- the CheckpointReader interface the loaders use ---------------------------------------------------
+
+    def param_shapes(self) -> dict[str, torch.Size]:
+        return {n: torch.Size(s) for n, s in self._shapes.items()}
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self._shapes[name])
+
+    def frozen_param_names(self) -> list[str]:
+        return self.readers[0].frozen_param_names()
+
+    def shared_params(self) -> dict[str, str]:
+        return self.readers[0].shared_params()
+
+    def buffer_names(self) -> list[str]:
+        return self.readers[0].buffer_names()
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self.readers[0].buffer(name)
+
+    def state_dict_keys(self) -> list[str]:
+        return self.readers[0].state_dict_keys()
+
+    def has_value(self, name: str) -> bool:
+        return self.readers[0].has_value(name)
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return self.readers[0].has_optimizer_state
+
+    def param_group_of(self, name: str):
+        return self.readers[0].param_group_of(name)
+
+    def param_groups(self) -> list[dict]:
+        return self.readers[0].param_groups()
+
+    def loss_scaler(self):
+        return self.readers[0].loss_scaler()
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return self.readers[0].buffers()
+
+    def _relayout(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Merge the saved shards of `name`, then take this rank's shard of the current layout."""
+        saved = self.saved.get(name)
+        full = gather_shards(pieces, saved) if saved is not None else pieces[0]
+        current = self.current.get(name)
+        return shard_tensor(full, current, self.rank).contiguous() if current is not None else full
+
+    def fp32(self, name: str) -> torch.Tensor:
+        count = self.saved_tp if name in self.saved else 1
+        return self._relayout(name, [r.fp32(name) for r in self.readers[:count]])
+
+    def fp32_slice(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        return self.fp32(name).reshape(-1)[lo:hi].clone()
+
+    def optimizer_state(self, name: str) -> dict:
+        count = self.saved_tp if name in self.saved else 1
+        states = [r.optimizer_state(name) for r in self.readers[:count]]
+        shape = self.readers[0].shape(name)
+        out = {}
+        for key, value in states[0].items():
+            if torch.is_tensor(value) and key != "step" and tuple(value.shape) == tuple(shape):
+                out[key] = self._relayout(name, [s[key] for s in states])
+            else:
+                out[key] = value
+        return out
+
+    def optimizer_state_slice(self, name: str, lo: int, hi: int) -> tuple[dict, dict]:
+        elements, scalars = {}, {}
+        for key, value in self.optimizer_state(name).items():
+            if torch.is_tensor(value) and key != "step" and value.dim() > 0 and value.numel() > 1:
+                elements[key] = value.reshape(-1)[lo:hi].clone()
+            else:
+                scalars[key] = value
+        return elements, scalars

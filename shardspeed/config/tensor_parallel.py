@@ -1,0 +1,88 @@
+"""``tensor_parallel``: AutoTP training (DeepSpeed 0.19.8's ``TPTrainingConfig``), typed.
+
+``autotp_size`` > 1 turns tensor parallelism on: ``initialize`` cuts the world into (data, model) with
+``autotp_size`` ranks per tensor group and shards the model with AutoTP (module_inject/auto_tp.py).
+``partition_config.layer_specs`` are checked here, so a bad regex or partition type is refused with its key
+path before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from .blocks import NonNegInt
+from .build import Key
+from .errors import ConfigError
+
+__all__ = ["PartitionConfig", "TensorParallelConfig"]
+
+
+@dataclass(kw_only=True)
+class PartitionConfig:
+    """``tensor_parallel.partition_config``: regex rules that place layers AutoTP's names do not."""
+
+    use_default_specs: bool = True
+    """Also apply the built-in layer names after ``layer_specs``. Default true."""
+    strict_mode: bool = False
+    """DeepSpeed: fail on unmatched linears. shardspeed always fails on unmatched linears inside blocks."""
+    layer_specs: list[dict[str, Any]] = field(default_factory=list)
+    """Rules ``{"patterns": [regex], "partition_type": "column"|"row"|"skip", "shape": ...}``, first match wins."""
+
+    def validate(self, path: str) -> None:
+        from shardspeed.module_inject.auto_tp import parse_layer_specs
+
+        try:
+            parse_layer_specs(self.layer_specs, where=f"{path}.layer_specs")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+@dataclass(kw_only=True)
+class TensorParallelConfig:
+    """``tensor_parallel``: AutoTP training."""
+
+    autotp_size: NonNegInt = 0
+    """Tensor-parallel degree; 0 or 1 = off. Must divide the world size. Default 0."""
+    tp_overlap_comm: bool = False
+    """Overlap the row-parallel all-reduce with compute (accepted; collectives here are synchronous). Default false."""
+    vocab_parallel_lm_head: bool | None = None
+    """Split the token embedding and LM head over the vocabulary (the model's loss must use
+    ``vocab_parallel_cross_entropy``). Default null (off)."""
+    vocab_parallel_ce_backend: Literal["torch"] = "torch"
+    """Cross-entropy over vocabulary-split logits: "torch" (DeepSpeed's default; "liger" is not supported)."""
+    partition_config: PartitionConfig | None = None
+    """Layer placement rules. Default null (the built-in names only)."""
+    dtype: str | None = None
+    """Recorded by ``tp_model_init``; the training dtype comes from fp16/bf16. Default null."""
+    tp: dict[str, Any] | None = None
+    """DeepSpeed's inner ``tp`` block (``tp_size`` must equal ``autotp_size`` when given). Default null."""
+    keep_module_on_host: bool = False
+    """Inference option, accepted for compatibility. Default false."""
+    injection_policy_tuple: Any = None
+    """Inference option, accepted for compatibility. Default null."""
+    replace_with_kernel_inject: Annotated[bool, Key(synonyms=("kernel_inject",))] = False
+    """Inference kernels; must stay false for training. Default false."""
+    preset_model: str | None = None
+    """DeepSpeed's built-in presets: not supported (AutoTP's names cover those models). Default null."""
+
+    def validate(self, path: str) -> None:
+        inner = (self.tp or {}).get("tp_size")
+        if inner not in (None, 1, self.autotp_size):
+            raise ConfigError(
+                f"{path}.tp.tp_size: {inner} does not match {path}.autotp_size {self.autotp_size}"
+            )
+        if self.replace_with_kernel_inject:
+            raise ConfigError(
+                f"{path}.replace_with_kernel_inject: kernel injection is not available for training"
+            )
+        if self.preset_model is not None:
+            raise ConfigError(
+                f"{path}.preset_model: presets are not supported; AutoTP's built-in names cover LLaMA, Mistral, "
+                "Qwen2, GPT-2, OPT, GPT-J and BERT, and partition_config.layer_specs places anything else"
+            )
+
+    @property
+    def size(self) -> int:
+        """The tensor-parallel degree (1 when off)."""
+        return max(1, self.autotp_size)

@@ -1,0 +1,81 @@
+"""The parallel layout `initialize` builds from the config: one `ParallelGrid` the engine takes as its mpu.
+
+With `tensor_parallel.autotp_size` = t > 1 the world of W ranks becomes a (data, model) grid of W/t
+replicas x t tensor ranks, tensor ranks neighbours (rank = data * t + model), so the engine reduces
+gradients and shards ZeRO state over the data axis only. The grid the latest `initialize` built is kept
+here for `deepspeed.utils.groups`' getters (`latest_grid`); nothing else reads it.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from shardspeed.comm.topology import ParallelGrid, ProcessTopology
+from shardspeed.config import ConfigError
+from shardspeed.config.loader import read_config_source
+
+__all__ = ["build_parallel_grid", "data_parallel_world", "latest_grid", "merge_tp_model_init"]
+
+_LATEST: dict[str, object] = {"grid": None}
+
+
+def latest_grid():
+    """The grid (or user mpu) the latest `initialize` ran with; None before any."""
+    return _LATEST["grid"]
+
+
+def merge_tp_model_init(source, model):
+    """The config source with `tp_model_init`'s recorded arguments merged into `tensor_parallel`, and the
+    tensor degree. The source is returned untouched when neither asks for tensor parallelism."""
+    from shardspeed.pipe.module import PipelineModule
+
+    recorded = getattr(model, "_shardspeed_tp_model_init", None)
+    raw = read_config_source(source) if not isinstance(source, dict) else source
+    block = raw.get("tensor_parallel") if isinstance(raw, dict) else None
+    size = block.get("autotp_size", 0) if isinstance(block, dict) else 0
+    if recorded is None:
+        size = size if isinstance(size, int) and size > 1 else 1
+        if size > 1 and isinstance(model, PipelineModule):
+            raise ConfigError(
+                "tensor_parallel.autotp_size: AutoTP cannot be combined with a PipelineModule yet"
+            )
+        return source, size
+    if size not in (0, 1, recorded["tp_size"]):
+        raise ConfigError(
+            f"tensor_parallel.autotp_size: {size} conflicts with tp_model_init(tp_size={recorded['tp_size']})"
+        )
+    merged = dict(raw)
+    merged["tensor_parallel"] = {**(block or {}), "autotp_size": recorded["tp_size"]}
+    return merged, max(1, recorded["tp_size"])
+
+
+def data_parallel_world(world: int, tp_size: int) -> int:
+    """Data-parallel replicas of a `world`-rank job at tensor degree `tp_size` (which must divide it)."""
+    if world % tp_size:
+        raise ConfigError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}")
+    return world // tp_size
+
+
+def build_parallel_grid(config, mpu):
+    """The mpu the engine runs with: the user's, or a (data, model) grid when the config asks for
+    tensor parallelism (collective: every rank calls it)."""
+    tp = config.tensor_parallel.size
+    if tp > 1 and mpu is not None:
+        have = mpu.get_tensor_model_parallel_world_size() if hasattr(mpu, "get_tensor_model_parallel_world_size") \
+            else mpu.get_model_parallel_world_size()  # fmt: skip
+        if have != tp:
+            raise ConfigError(f"tensor_parallel.autotp_size: {tp} but the mpu passed to initialize has {have} "
+                              "tensor-parallel ranks")  # fmt: skip
+    elif tp > 1:
+        world = dist.get_world_size()
+        mpu = ParallelGrid(ProcessTopology(["data", "model"], [data_parallel_world(world, tp), tp]))
+    _LATEST["grid"] = mpu
+    return mpu
+
+
+def tensor_group(mpu):
+    """The tensor-parallel group of a grid or Megatron-style mpu."""
+    for getter in ("get_tensor_model_parallel_group", "get_slice_parallel_group", "get_model_parallel_group"):
+        if hasattr(mpu, getter):
+            return getattr(mpu, getter)()
+    raise ValueError(f"the mpu {type(mpu).__name__} has no tensor-parallel group getter")
