@@ -11,6 +11,7 @@ round every ``idle_s`` seconds, so the other ranks never sit in a collective lon
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from shardspeed.inference.scheduler import BatchRequest, ContinuousBatcher
 __all__ = ["EngineLoop"]
 
 _STOP = "stop"
+
+logger = logging.getLogger(__name__)
 
 
 class EngineLoop:
@@ -107,7 +110,11 @@ class EngineLoop:
         """Apply rank 0's rounds until it stops (the other tensor-parallel ranks' main loop)."""
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            try:
+                dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            except RuntimeError as error:  # rank 0 stopped (a shutdown signal reaches every rank at once)
+                logger.warning("generation loop: rank 0 went away (%s); stopping", str(error).splitlines()[0])
+                return
             commands = []
             for kind, value in box[0]:
                 if kind == _STOP:

@@ -221,6 +221,10 @@ async def _stream(service: CompletionService, started, completion_id: str, creat
             tokens, sent, reason = [], "", None
             while reason is None:
                 token, reason = await queue.get()
+                if reason is not None and reason.startswith("error"):
+                    error = {"error": {"message": reason[len("error: ") :], "type": "invalid_request_error"}}
+                    yield f"data: {json.dumps(error)}\n\n"
+                    return
                 tokens.append(token)
                 # Decode everything so far: a character may span several byte tokens.
                 text = service.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -256,12 +260,15 @@ def _parse_args(argv):
 
 
 def _relaunch_under_launcher(args, argv) -> int:
-    """Restart this command on ``--tensor-parallel`` local ranks through shardspeed's launcher."""
-    import subprocess
+    """Become shardspeed's launcher running this command on ``--tensor-parallel`` local ranks.
 
+    ``exec`` rather than a child process: a signal sent to this command (Ctrl-C, ``kill``) then reaches the
+    launcher, which stops every rank; rank 0's server shuts down and tells the other ranks to stop.
+    """
     command = [sys.executable, "-m", "shardspeed.launcher.runner", "--num_gpus", str(args.tensor_parallel),
                "--master_port", str(args.port + 1), "--no_local_rank", "--module", "shardspeed.mii.server", *argv]  # fmt: skip
-    return subprocess.call(command)
+    os.execv(sys.executable, command)
+    return 1  # not reached
 
 
 def main(argv=None) -> int:
