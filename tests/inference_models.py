@@ -30,7 +30,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int):
         super().__init__()
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", inv)  # persistent: a meta-built model loads it from the checkpoint
 
     def forward(self, x, positions):
         angles = positions[..., None].float() * self.inv_freq

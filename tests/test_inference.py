@@ -107,6 +107,32 @@ def test_int8_weights():
     assert (logits - reference).abs().max() / reference.abs().max() < 0.05
 
 
+def test_checkpoint_loading_into_a_meta_model(tmp_path):
+    from safetensors.torch import save_file
+
+    source = TinyLlama(seed=5)
+    state = {k: v.contiguous() for k, v in source.state_dict().items()}
+    ids = torch.tensor([PROMPTS[1]])
+    expected = source(ids).logits
+    (tmp_path / "st").mkdir()
+    save_file(state, tmp_path / "st" / "model.safetensors")
+    torch.save(state, tmp_path / "weights.pt")
+    (tmp_path / "ckpt.json").write_text('{"type": "ds_model", "checkpoints": ["weights.pt"]}')
+    for checkpoint in (str(tmp_path / "st"), str(tmp_path / "weights.pt"), str(tmp_path / "ckpt.json")):
+        with torch.device("meta"):
+            model = TinyLlama()
+        engine = shardspeed.init_inference(
+            model, dtype=torch.float32, checkpoint=checkpoint, max_out_tokens=32
+        )
+        torch.testing.assert_close(engine(ids).logits, expected, rtol=0, atol=0)
+    with torch.device("meta"):
+        model = TinyLlama()
+    with pytest.raises(ValueError, match="checkpoint: the model is on the meta device"):
+        shardspeed.init_inference(model, dtype=torch.float32)
+    with pytest.raises(FileNotFoundError, match="checkpoint"):
+        shardspeed.init_inference(TinyLlama(), checkpoint=str(tmp_path / "missing"))
+
+
 def _run(batcher, requests, late=(), after_steps=2):
     for request in requests:
         batcher.submit(request)
