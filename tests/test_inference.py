@@ -80,6 +80,10 @@ def test_generate_equals_reference_greedy(caplog):
     assert out.shape == (1, 9)
     with pytest.raises(ValueError, match="max_out_tokens"):
         engine.generate(ids, max_new_tokens=40)
+    # weights changed after init_inference (fused q/k/v must follow): the answer is still the model's
+    model.double()
+    out = engine.generate(ids.clone(), max_new_tokens=5)
+    assert out[0, 3:].tolist() == greedy_reference(model, PROMPTS[0], 5)
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy():

@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .fusion import fuse_linears
 from .kv_cache import StaticKVCache
 
 __all__ = ["FastDecoder", "ModelDecoder", "make_decoder"]
@@ -73,6 +74,17 @@ class FastDecoder:
         self.scale = attn.scaling
         # Local (per-rank) head counts come from the weights, so a tensor-parallel split is picked up.
         self.kv_heads = attn.k_proj.weight.shape[0] // self.head_dim
+        # Per layer: q/k/v in one matmul and gate/up in one where the modules allow it (fusion.py).
+        self.qkv = [
+            fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            for layer in self.layers
+        ]
+        self.gate_up = [
+            fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
+            if all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            else None
+            for layer in self.layers
+        ]
         self.cache: StaticKVCache | None = None
         self._positions: torch.Tensor | None = None
 
@@ -95,17 +107,28 @@ class FastDecoder:
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(batch, steps, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(batch, steps, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(batch, steps, -1, self.head_dim).transpose(1, 2)
+            if self.qkv[index] is not None:
+                q, k, v = self.qkv[index](x)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.view(batch, steps, -1, self.head_dim).transpose(1, 2)
+            k = k.view(batch, steps, -1, self.head_dim).transpose(1, 2)
+            v = v.view(batch, steps, -1, self.head_dim).transpose(1, 2)
             q, k = self.apply_rope(q, k, cos, sin)
             k_all, v_all, mask = cache.update(index, k, v)
             out = _attention(q, k_all, v_all, mask, self.scale)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._mlp(index, layer, layer.post_attention_layernorm(hidden))
         if last_only:
             hidden = hidden[:, -1:]
         return self.lm_head(self.norm(hidden))
+
+    def _mlp(self, index: int, layer, x):
+        fused = self.gate_up[index]
+        if fused is None:
+            return layer.mlp(x)
+        gate, up = fused(x)
+        return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     # ---- generate's protocol (a fixed batch over a StaticKVCache) ------------------------------------
     def prefill(self, input_ids, attention_mask, max_len: int):
