@@ -80,6 +80,9 @@ def test_generate_equals_reference_greedy(caplog):
     assert out.shape == (1, 9)
     with pytest.raises(ValueError, match="max_out_tokens"):
         engine.generate(ids, max_new_tokens=40)
+    # options only the model's own generate has are passed to it (TinyLlama has none: the error says so)
+    with pytest.raises(AttributeError, match="generate"):
+        engine.generate(ids, max_new_tokens=4, num_beams=2)
     # weights changed after init_inference (fused q/k/v must follow): the answer is still the model's
     model.double()
     out = engine.generate(ids.clone(), max_new_tokens=5)

@@ -179,10 +179,8 @@ class InferenceEngine(nn.Module):
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
         if input_ids is None:
             raise ValueError("generate: input_ids (or the first positional argument) is required")
-        unhandled = sorted(
-            k for k, v in kwargs.items() if k not in GenerationSettings.HANDLED and v is not None
-        )
-        if unhandled or not hasattr(self.module, "forward"):
+        unhandled = GenerationSettings.unhandled(self.module, kwargs)
+        if unhandled:
             logger.info(
                 "generate: %s not handled by the fast path; using the model's own generate", unhandled
             )

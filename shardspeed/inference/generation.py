@@ -33,6 +33,21 @@ class GenerationSettings:
          "pad_token_id", "generation_config", "use_cache", "attention_mask", "input_ids", "inputs"}
     )  # fmt: skip
 
+    # generation_config values that ask for something the loop does not do, and their neutral values
+    NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+               "min_new_tokens": 0, "min_length": 0, "penalty_alpha": None, "return_dict_in_generate": False}  # fmt: skip
+
+    @classmethod
+    def unhandled(cls, model, kwargs: dict) -> list[str]:
+        """Arguments (or generation_config values) only the model's own generate implements."""
+        names = [k for k, v in kwargs.items() if k not in cls.HANDLED and v is not None]
+        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        for key, neutral in cls.NEUTRAL.items():
+            value = getattr(config, key, None) if config is not None else None
+            if key not in names and value not in (None, neutral):
+                names.append(f"generation_config.{key}")
+        return sorted(names)
+
     @classmethod
     def resolve(cls, model, prompt_len: int, kwargs: dict) -> GenerationSettings:
         """Arguments first, then the model's generation_config, then Hugging Face's defaults."""
