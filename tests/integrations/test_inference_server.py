@@ -137,3 +137,25 @@ def test_server_concurrent_requests_errors_and_disconnect(model_dir):
         text, count = reference_text(model, tokenizer, prompt, 8)
         assert response.generated_text == text and response.generated_length == count
         assert response.prompt_length == len(prompt.encode()) and response.finish_reason == "length"
+
+
+def test_tensor_parallel_server_through_the_launcher(model_dir):
+    """`serve(tensor_parallel=2)`: shardspeed's launcher starts 2 ranks; answers equal the model's own."""
+    port = free_port()
+    client = mii.serve(str(model_dir), deployment_name="tiny", restful_api_port=port, tensor_parallel=2)
+    try:
+        model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+        tokenizer = byte_tokenizer()
+
+        async def many():
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+                calls = [
+                    http.post("/v1/completions", json={"prompt": p, "max_tokens": 10}) for p in PROMPTS[:4]
+                ]
+                return await asyncio.gather(*calls)
+
+        for response, prompt in zip(asyncio.run(many()), PROMPTS[:4]):
+            assert response.json()["choices"][0]["text"] == reference_text(model, tokenizer, prompt, 10)[0]
+    finally:
+        client.terminate_server()
+    assert client._process.returncode is not None
