@@ -33,6 +33,7 @@ _LAZY = {
     "init_distributed": ("shardspeed.comm.init", "init_distributed"),
     "initialize": ("shardspeed.api", "initialize"),
     "init_inference": ("shardspeed.inference", "init_inference"),
+    "default_inference_config": ("shardspeed.inference", "default_inference_config"),
     "InferenceEngine": ("shardspeed.inference.engine", "InferenceEngine"),
     "tp_model_init": ("shardspeed.placeholders", "tp_model_init"),
     "monitor": ("shardspeed.monitor", None),

@@ -14,7 +14,7 @@ import torch
 
 import shardspeed
 from shardspeed.config.errors import ConfigError
-from shardspeed.config.inference import load_inference_config
+from shardspeed.config.inference import InferenceConfig, load_inference_config
 from shardspeed.inference.decoder import FastDecoder
 from shardspeed.inference.generation import GenerationSettings
 from shardspeed.inference.quantize import Int8Linear
@@ -39,6 +39,9 @@ def test_config_merges_kwargs_and_names_bad_keys():
     assert load_inference_config(None, {"dtype": torch.float16}).torch_dtype == torch.float16
     assert load_inference_config(None, {"mp_size": 2}).tensor_parallel.tp_size == 2
     assert load_inference_config(None, {}).dtype == "fp16"  # DeepSpeed's default
+    defaults = shardspeed.default_inference_config()
+    assert defaults["max_out_tokens"] == 1024 and defaults["tensor_parallel"]["tp_size"] == 1
+    assert load_inference_config(defaults) == InferenceConfig()  # the defaults load back as themselves
     with pytest.raises(ConfigError, match="dtype: given in config as"):
         load_inference_config({"dtype": "fp16"}, {"dtype": "bf16"})
     with pytest.raises(ConfigError, match=r"mp_size.*contradicts tensor_parallel.tp_size"):

@@ -11,11 +11,19 @@ paged caches), ``generation`` (the loop and sampling), ``loading`` (weights, one
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardspeed.config.inference import InferenceConfig, load_inference_config
 
 from .engine import InferenceEngine
 
-__all__ = ["DeepSpeedInferenceConfig", "InferenceConfig", "InferenceEngine", "init_inference"]
+__all__ = [
+    "DeepSpeedInferenceConfig",
+    "InferenceConfig",
+    "InferenceEngine",
+    "default_inference_config",
+    "init_inference",
+]
 
 DeepSpeedInferenceConfig = InferenceConfig
 
@@ -23,3 +31,11 @@ DeepSpeedInferenceConfig = InferenceConfig
 def init_inference(model, config=None, **kwargs) -> InferenceEngine:
     """DeepSpeed's ``init_inference``: ``config`` (None, dict or JSON path) merged with keyword arguments."""
     return InferenceEngine(model, load_inference_config(config, kwargs))
+
+
+def default_inference_config() -> dict:
+    """DeepSpeed's ``default_inference_config()``: every inference key with its default value."""
+    config = dataclasses.asdict(InferenceConfig())
+    for name in ("tp_group", "mpu"):  # Python objects, not config values
+        config["tensor_parallel"].pop(name, None)
+    return config
