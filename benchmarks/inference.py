@@ -63,12 +63,20 @@ def _systems(with_deepspeed: bool) -> dict:
     return systems
 
 
-def _time(fn, ids, new_tokens: int) -> float:
-    start = time.perf_counter()
+def _time(fn, ids, new_tokens: int, clock=time.perf_counter) -> float:
+    start = clock()
     out = fn(ids, max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
     return elapsed
+
+
+def _measure(fn, ids, new_tokens: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call. With one thread, CPU time is the work
+    itself, unaffected by the time other processes on a shared machine hold the core."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    _time(fn, ids, new_tokens)
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def bench_generate(rounds: int, with_deepspeed: bool) -> dict:
@@ -80,12 +88,19 @@ def bench_generate(rounds: int, with_deepspeed: bool) -> dict:
     for name, fn in systems.items():  # warm-up, and the greedy tokens must agree
         outputs[name] = fn(ids1, max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(ids1))
     same = {name: bool(torch.equal(out, outputs["hf_generate"])) for name, out in outputs.items()}
-    samples = {name: {"tps_b1": [], "tps_b8": [], "ttft_ms": []} for name in systems}
+    keys = ("tps_b1", "tps_b8", "ttft_ms", "cpu_tps_b1", "cpu_tps_b8", "cpu_ttft_ms")
+    samples = {name: {key: [] for key in keys} for name in systems}
     for _ in range(rounds):
         for name, fn in systems.items():
-            samples[name]["tps_b1"].append(NEW_TOKENS / _time(fn, ids1, NEW_TOKENS))
-            samples[name]["tps_b8"].append(8 * NEW_TOKENS / _time(fn, ids8, NEW_TOKENS))
-            samples[name]["ttft_ms"].append(1000 * _time(fn, ids1, 1))
+            for key, ids, new, scale in (("tps_b1", ids1, NEW_TOKENS, None), ("tps_b8", ids8, NEW_TOKENS, None),
+                                         ("ttft_ms", ids1, 1, 1000.0)):  # fmt: skip
+                wall, cpu = _measure(fn, ids, new)
+                if scale is None:  # tokens per second
+                    samples[name][key].append(ids.shape[0] * new / wall)
+                    samples[name]["cpu_" + key].append(ids.shape[0] * new / cpu)
+                else:  # milliseconds
+                    samples[name][key].append(scale * wall)
+                    samples[name]["cpu_" + key].append(scale * cpu)
     return {"same_tokens_as_hf": same, "samples": samples}
 
 
@@ -219,7 +234,14 @@ def render(result: dict) -> str:
         "",
     ]
     lines += [result["note"], ""]
-    gen = result.get("generate")
+    for part, renderer in (("generate", _render_generate), ("tp", _render_tp), ("server", _render_server)):
+        if result.get(part):
+            lines += renderer(result[part])
+    return "\n".join(lines) + "\n"
+
+
+def _render_generate(gen: dict) -> list[str]:
+    lines = []
     if gen:
         s = gen["samples"]
         lines += ["## generate (7.3M Llama, prompt 32, 64 new tokens, greedy, 1 thread)", "",
@@ -230,17 +252,33 @@ def render(result: dict) -> str:
             lines.append(
                 f"| {name} | {_stat(v['tps_b1'])} | {_stat(v['tps_b8'])} | {_stat(v['ttft_ms'])} | {same} |"
             )
+        lines += ["", "Per CPU-second of the process (1 thread: the work itself, whatever else runs on the machine):",
+                  "", "| system | tokens/CPU-s batch 1 | tokens/CPU-s batch 8 | TTFT CPU ms batch 1 |", "|---|---|---|---|"]  # fmt: skip
+        for name, v in s.items():
+            if "cpu_tps_b1" in v:
+                lines.append(
+                    f"| {name} | {_stat(v['cpu_tps_b1'])} | {_stat(v['cpu_tps_b8'])} | {_stat(v['cpu_ttft_ms'])} |"
+                )
         hf = s["hf_generate"]
         for name in s:
             if name == "hf_generate":
                 continue
-            r1 = statistics.median(s[name]["tps_b1"]) / statistics.median(hf["tps_b1"])
-            r8 = statistics.median(s[name]["tps_b8"]) / statistics.median(hf["tps_b8"])
-            rt = statistics.median(hf["ttft_ms"]) / statistics.median(s[name]["ttft_ms"])
-            lines.append(f"\n{name} / hf_generate: {r1:.2f}x tokens/s at batch 1, {r8:.2f}x at batch 8, "
-                         f"{rt:.2f}x faster first token")  # fmt: skip
+            for prefix, what in (("", "wall"), ("cpu_", "CPU")):
+                if prefix + "tps_b1" not in s[name]:
+                    continue
+                r1 = statistics.median(s[name][prefix + "tps_b1"]) / statistics.median(hf[prefix + "tps_b1"])
+                r8 = statistics.median(s[name][prefix + "tps_b8"]) / statistics.median(hf[prefix + "tps_b8"])
+                rt = statistics.median(hf[prefix + "ttft_ms"]) / statistics.median(
+                    s[name][prefix + "ttft_ms"]
+                )
+                lines.append(f"\n{name} / hf_generate ({what} time): {r1:.2f}x tokens/s at batch 1, {r8:.2f}x at "
+                             f"batch 8, {rt:.2f}x faster first token")  # fmt: skip
         lines.append("")
-    tp = result.get("tp")
+    return lines
+
+
+def _render_tp(tp: dict) -> list[str]:
+    lines = []
     if tp:
         lines += ["## tensor parallel (batch 32, 64 new tokens, 1 thread per rank, 2 cores)", "",
                   "| system | tokens/s |", "|---|---|"]  # fmt: skip
@@ -251,7 +289,11 @@ def render(result: dict) -> str:
         if "deepspeed_tp2" in tp:
             lines.append(f"\nDeepSpeed 0.19.8 init_inference tp 2 on CPU: {json.dumps(tp['deepspeed_tp2'])}")
         lines.append("")
-    server = result.get("server")
+    return lines
+
+
+def _render_server(server: dict) -> list[str]:
+    lines = []
     if server:
         lines += ["## server (shardspeed-serve, 1 thread; 32 requests x 64 tokens; completion tokens/s)", "",
                   "| concurrent clients | tokens/s |", "|---|---|"]  # fmt: skip
@@ -259,7 +301,7 @@ def render(result: dict) -> str:
             lines.append(f"| {c} | {_stat(server[f'clients_{c}'])} |")
         ratio = statistics.median(server["clients_32"]) / statistics.median(server["clients_1"])
         lines.append(f"\n32 concurrent / one after another: {ratio:.2f}x")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> None:
