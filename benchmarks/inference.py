@@ -236,7 +236,14 @@ def render(result: dict) -> str:
     lines += [result["note"], ""]
     for part, renderer in (("generate", _render_generate), ("tp", _render_tp), ("server", _render_server)):
         if result.get(part):
-            lines += renderer(result[part])
+            section = renderer(result[part])
+            run = result[part].get("run")
+            if run:
+                section[1:1] = [
+                    "",
+                    f"Run: load average {run['load_average_at_start']} at the start, {run['rounds']} rounds.",
+                ]
+            lines += section
     return "\n".join(lines) + "\n"
 
 
@@ -318,20 +325,19 @@ def main() -> None:
         tp_worker(args.tp_worker, args.rounds, args.system)
         return
     with_ds = not args.no_deepspeed
-    load = os.getloadavg()[0]
     out = Path(args.out)
     previous = out / "inference.json"
     result = json.loads(previous.read_text()) if previous.exists() else {}  # parts run from two venvs merge
     result["note"] = (
-        f"Shared 2-core CPU machine, load average {load:.1f} at the start: figures are noisy. "
-        f"Medians over {args.rounds} interleaved rounds, (min-max) in brackets."
+        "Shared 2-core CPU machine, loaded by other jobs: wall-clock figures are noisy (each part says the "
+        "load average when it started). Medians over interleaved rounds, (min-max) in brackets."
     )
-    if "generate" in args.parts:
-        result["generate"] = bench_generate(args.rounds, with_ds)
-    if "tp" in args.parts:
-        result["tp"] = bench_tp(args.rounds, with_ds)
-    if "server" in args.parts:
-        result["server"] = bench_server(args.rounds, args.port)
+    parts = {"generate": lambda: bench_generate(args.rounds, with_ds), "tp": lambda: bench_tp(args.rounds, with_ds),
+             "server": lambda: bench_server(args.rounds, args.port)}  # fmt: skip
+    for part in args.parts:
+        load = os.getloadavg()[0]
+        result[part] = parts[part]()
+        result[part]["run"] = {"load_average_at_start": round(load, 1), "rounds": args.rounds}
     out.mkdir(parents=True, exist_ok=True)
     (out / "inference.json").write_text(json.dumps(result, indent=1))
     (out / "inference.md").write_text(render(result))
