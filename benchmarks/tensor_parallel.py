@@ -4,9 +4,11 @@
 
 For each round, in interleaved order: shardspeed tp1 x dp4, shardspeed tp2 x dp2, DeepSpeed 0.19.8 AutoTP
 training tp1 x dp4 and tp2 x dp2 — the same Hugging Face LLaMA (random weights, built from a config), batches,
-AdamW and ZeRO stage 1. Each run is a fresh 4-process Gloo job (loopback). Bytes per step count what every
-rank hands to torch.distributed's collectives (all_reduce, reduce_scatter, all_gather, broadcast), summed
-over ranks, during the timed steps. A system that fails records its error instead of numbers.
+AdamW, global-norm clipping at 1.0 and ZeRO stage 1. Each run is a fresh 4-process Gloo job (loopback). Bytes per step count what every
+rank hands to torch.distributed's collectives (all_reduce, reduce, reduce_scatter, all_gather, broadcast):
+per call the largest tensor (or tensor list) it is given, i.e. the full buffer of a reduce-scatter or
+all-gather, summed over calls and ranks during the timed steps. On Gloo shardspeed issues a reduce-scatter as
+one `reduce` per slice and an all-gather as one `broadcast` per slice, so the same bytes are counted. A system that fails records its error instead of numbers.
 Results: benchmarks/results/tensor_parallel.{md,json}.
 """
 
@@ -24,7 +26,7 @@ from pathlib import Path
 WORLD, MICRO, SEQ, WARMUP = 4, 4, 128, 2
 MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_attention_heads=8,
              num_key_value_heads=4, num_hidden_layers=4, max_position_embeddings=SEQ)  # fmt: skip
-COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
+COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
                "reduce_scatter", "_all_gather_base", "_reduce_scatter_base")  # fmt: skip
 
 
@@ -65,6 +67,7 @@ def _rank_main(rank: int, impl: str, tp: int, steps: int, port: int, queue) -> N
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,  # explicit: the two systems' defaults differ
         "zero_optimization": {"stage": 1},
         "tensor_parallel": {"autotp_size": tp},
         "steps_per_print": 10_000,
@@ -120,12 +123,13 @@ def run_job(impl: str, tp: int, steps: int) -> dict:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    per_step = [max(r[1][i] for r in results) for i in range(steps)]  # a step ends with its slowest rank
+    # a step ends with its slowest rank; the loss is the mean over ranks (tensor ranks repeat their replica's)
+    per_step = [max(r[1][i] for r in results) for i in range(steps)]
     median = statistics.median(per_step)
     tokens = MICRO * SEQ * (WORLD // tp)
     return dict(step_s=median, step_min=min(per_step), step_max=max(per_step), tokens_per_s=tokens / median,
                 bytes_per_step=sum(r[2] for r in results) / steps,
-                loss=statistics.mean(results[0][3]))  # fmt: skip
+                loss=statistics.mean(statistics.mean(r[3]) for r in results))  # fmt: skip
 
 
 def worker(args) -> None:

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. /work/benchvenv/bin/python benchmarks/tensor_parallel_hf.py
 
-Tiny random LLaMA, Qwen2 (q/k/v bias), Mistral, GPT-2 (fused `c_attn` in `Conv1D`) and OPT models built from
+Tiny random LLaMA, Qwen2 (q/k/v bias), Mistral, GPT-2 (fused `c_attn` in `Conv1D`), OPT and BERT models built from
 their configs with transformers, in eval mode (dropout masks over sharded activations differ by design).
 Two Gloo ranks; the tensor-parallel gradients are gathered whole and compared with the unsharded ones.
 Writes benchmarks/results/tensor_parallel_hf.md.
@@ -35,15 +35,17 @@ def job():
         "OPTForCausalLM": tf.OPTConfig(
             **common, ffn_dim=48, word_embed_proj_dim=32, max_position_embeddings=32
         ),
+        "BertForMaskedLM": tf.BertConfig(**common, intermediate_size=48, max_position_embeddings=32),
     }
     rows = []
     for name, config in configs.items():
         try:
             config._attn_implementation = "eager"
             torch.manual_seed(0)
-            ref = tf.AutoModelForCausalLM.from_config(config).eval()
+            auto = tf.AutoModelForMaskedLM if name.startswith("Bert") else tf.AutoModelForCausalLM
+            ref = auto.from_config(config).eval()
             torch.manual_seed(0)
-            model = tf.AutoModelForCausalLM.from_config(config).eval()
+            model = auto.from_config(config).eval()
             ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
             ref_loss = ref(input_ids=ids, labels=ids).loss
             ref_loss.backward()

@@ -38,7 +38,11 @@ def autotp_job():
         report = shard_model(model, group, vocab_parallel=vocab_parallel)
         model.vocab_parallel = vocab_parallel
         loss = model(data)
+        calls = []
+        all_reduce = dist.all_reduce
+        dist.all_reduce = lambda *a, _calls=calls, _real=all_reduce, **k: _calls.append(1) or _real(*a, **k)
         loss.backward()
+        dist.all_reduce = all_reduce
         grads = tp_full_state_dict(model, group, {n: p.grad for n, p in model.named_parameters()})
         weights = tp_full_state_dict(model, group)
         ref_state = ref.state_dict()
@@ -47,6 +51,7 @@ def autotp_job():
             grad=max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()),
             weight=max((weights[n] - ref_state[n]).abs().max().item() for n in ref_state),
             report=report,
+            backward_all_reduces=len(calls),
             local_numel=sum(p.numel() for p in model.parameters()),
             ref_numel=sum(p.numel() for p in ref.parameters()),
             heads=(model.h[0].attn.num_heads, model.h[0].attn.split_size) if kind == "gpt2" else
@@ -93,7 +98,11 @@ def test_autotp_sharding_equals_unsharded_model():
         assert sorted(report.row) == sorted(f"layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.o_proj",
                                                                                           "mlp.down_proj"))  # fmt: skip
         assert len(report.column) == 10 and report.replicated == ["lm_head"]
-        assert llama["heads"] == (2, 1)  # 4 heads, 2 kv heads -> 2 and 1 per rank
+        assert llama["heads"] == (2, 1)
+        # one all-reduce per block input in backward (q/k/v share one, gate/up another): 2 layers x 2
+        assert llama["backward_all_reduces"] == 4, llama[
+            "backward_all_reduces"
+        ]  # 4 heads, 2 kv heads -> 2 and 1 per rank
         gpt2 = res["parity"]["gpt2{}False"]
         assert gpt2["report"].column == ["h.0.attn.c_attn", "h.0.mlp.c_fc", "h.1.attn.c_attn", "h.1.mlp.c_fc"]
         assert gpt2["heads"] == (2, 16)

@@ -1,6 +1,6 @@
 """Tensor-parallel checkpoints: each tensor rank writes its mp_rank_XX files; resume at tp 2 is bit-exact;
 a tp 2 checkpoint (ZeRO 0 and 1) loads at tp 1 (data parallel, ZeRO 0 and 2) and continues equal to the run
-that never stopped; save_16bit_model and the fp32 consolidation write the whole weights."""
+that never stopped, and a tp 1 checkpoint loads at tp 2; save_16bit_model and the fp32 consolidation write the whole weights."""
 
 from harness import run_ranks
 
@@ -51,7 +51,13 @@ def checkpoint_job(tmp):
         steps_at_load = at_tp1.global_steps
         tp_common.train(at_tp1, batches[STEPS_BEFORE:], 1)
         tp1_state = {k: v.clone() for k, v in at_tp1.module.state_dict().items()}
+        at_tp1.save_checkpoint(save_dir, tag="tp1")
         at_tp1.destroy()
+
+        back_to_tp2 = engine_at(2, zero_before, 2)  # and the other way: a tp 1 checkpoint split at load
+        back_to_tp2.load_checkpoint(save_dir, tag="tp1")
+        split = tp_full_state_dict(back_to_tp2.module, back_to_tp2.tensor_parallel.group)
+        back_to_tp2.destroy()
 
         exported = torch.load(os.path.join(save_dir, "full.bin"), weights_only=True)
         from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
@@ -66,6 +72,7 @@ def checkpoint_job(tmp):
             steps_at_load=steps_at_load,
             exported=tp_common.max_diff(exported, saved_full),
             consolidated=tp_common.max_diff(consolidated, saved_full),
+            tp1_to_tp2=tp_common.max_diff(split, tp1_state),
         )
     return out
 
@@ -83,3 +90,4 @@ def test_tensor_parallel_checkpoints(tmp_path):
             assert r["tp1_loaded"] == 0.0 and r["exported"] == 0.0 and r["consolidated"] == 0.0, r
             assert r["tp1_continued"] < 1e-5 and r["moved"] > 1e-3, r
             assert r["steps_at_load"] == STEPS_BEFORE
+            assert r["tp1_to_tp2"] == 0.0, r

@@ -17,6 +17,7 @@ def config(tp: int, zero: int = 0, clip: float = 0.0, gas: int = 1, dtype: str =
         "gradient_clipping": clip,
         "zero_optimization": {"stage": zero, "reduce_bucket_size": 2000},
         "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
         "tensor_parallel": {"autotp_size": tp, "vocab_parallel_lm_head": vocab},
         "steps_per_print": 1000,
     }

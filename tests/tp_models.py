@@ -45,7 +45,7 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
     angles = torch.outer(torch.arange(seq, dtype=torch.float32), freqs)
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):

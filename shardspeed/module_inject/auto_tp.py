@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.module_inject.layers import LinearAllreduce, LinearLayer, TPPartition
-from shardspeed.module_inject.tp_comm import group_size
+from shardspeed.module_inject.tp_comm import SharedInputCopy, group_size
 from shardspeed.module_inject.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
 __all__ = ["TPReport", "parse_layer_specs", "shard_model"]
@@ -169,6 +169,7 @@ class _Sharder:
         self.rank = dist.get_rank(group) if self.tp > 1 else 0
         self.report = TPReport(self.tp)
         self.modules = dict(model.named_modules())
+        self.input_copy = SharedInputCopy()  # column layers reading one input all-reduce its gradient once
 
     def plan(self) -> dict[str, tuple[str, str | None, _Spec | None]]:
         plan, unplaced = {}, []
@@ -246,7 +247,9 @@ class _Sharder:
             segments = self.segments(name, module, fused, spec, module.weight.shape[out_dim])
             TPPartition(out_dim, segments, self.tp).check(f"{name} (column-parallel output features)")
             self.report.column.append(name)
-            return LinearLayer.from_module(module, self.group, self.rank, segments, transposed)
+            layer = LinearLayer.from_module(module, self.group, self.rank, segments, transposed)
+            layer.input_copy = self.input_copy
+            return layer
         in_dim = 0 if transposed else 1
         TPPartition(in_dim, (module.weight.shape[in_dim],), self.tp).check(
             f"{name} (row-parallel input features)"

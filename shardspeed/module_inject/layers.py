@@ -115,8 +115,11 @@ class LinearLayer(_TPLinear):
             )
         return cls(w, b, group, transposed)
 
+    input_copy = None  # a SharedInputCopy shared with sibling column layers (set by AutoTP), or None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._matmul(copy_to_tensor_parallel(x, self.tp_group))
+        copy = self.input_copy if self.input_copy is not None else copy_to_tensor_parallel
+        out = self._matmul(copy(x, self.tp_group))
         return out + self.bias if self.bias is not None else out
 
 
