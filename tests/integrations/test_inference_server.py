@@ -53,8 +53,12 @@ def reference_text(model, tokenizer, prompt: str, max_new: int) -> tuple[str, in
 
 def test_server_concurrent_requests_errors_and_disconnect(model_dir):
     port = free_port()
-    client = mii.serve(str(model_dir), deployment_name="tiny", restful_api_port=port, max_batch=8)
+    client = mii.serve(
+        str(model_dir), deployment_name="tiny", restful_api_port=port, max_batch=8, timeout=600
+    )
     base = f"http://127.0.0.1:{port}"
+    # Generous timeouts (httpx's default is 5 s): on a loaded shared machine a request can wait that long.
+    http = httpx.Client(base_url=base, timeout=300)
     try:
         model = LlamaForCausalLM.from_pretrained(model_dir).eval()
         tokenizer = byte_tokenizer()
@@ -62,7 +66,7 @@ def test_server_concurrent_requests_errors_and_disconnect(model_dir):
         expected = [reference_text(model, tokenizer, p, n) for p, n in zip(PROMPTS, budgets)]
 
         async def many():
-            async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            async with httpx.AsyncClient(base_url=base, timeout=300) as http:
                 calls = [http.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": n})
                          for p, n in zip(PROMPTS * 2, budgets * 2)]  # fmt: skip
                 return await asyncio.gather(*calls)
@@ -73,11 +77,11 @@ def test_server_concurrent_requests_errors_and_disconnect(model_dir):
             body = response.json()
             assert body["choices"][0]["text"] == text
             assert body["usage"]["completion_tokens"] == count
-        health = httpx.get(base + "/health").json()
+        health = http.get("/health").json()
         assert health["max_batch_seen"] > 1, health  # requests shared decode batches
 
         # streaming: the concatenated deltas are the plain answer
-        with httpx.stream("POST", base + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": budgets[1],
+        with http.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": budgets[1],
                                                                   "stream": True}) as stream:  # fmt: skip
             events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -102,31 +106,32 @@ def test_server_concurrent_requests_errors_and_disconnect(model_dir):
             ({"prompt": "x", "temperature": -1}, 400, "temperature"),
         ]
         for body, status, param in bad:
-            response = httpx.post(base + "/v1/completions", json=body)
+            response = http.post("/v1/completions", json=body)
             assert response.status_code == status, (body, response.text)
             assert response.json()["error"]["param"] == param and param in response.json()["error"]["message"]
         response = httpx.post(
             base + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
         )
         assert response.status_code == 400 and response.json()["error"]["param"] == "body"
-        assert httpx.post(base + "/mii/other", json={"prompts": ["x"]}).status_code == 404
+        assert http.post("/mii/other", json={"prompts": ["x"]}).status_code == 404
 
         # a client that goes away mid-stream: its request is cancelled, its blocks come back
-        with httpx.stream("POST", base + "/v1/completions", json={"prompt": "def ", "max_tokens": 120,
+        with http.stream("POST", "/v1/completions", json={"prompt": "def ", "max_tokens": 120,
                                                                   "stream": True}) as stream:  # fmt: skip
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: "))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while True:
-            health = httpx.get(base + "/health").json()
+            health = http.get("/health").json()
             if health["running"] == 0 and health["free_kv_blocks"] == health["total_kv_blocks"]:
                 break
             assert time.monotonic() < deadline, health
             time.sleep(0.1)
         assert health["cancelled_requests"] == 1, health
-        again = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": budgets[0]})
+        again = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": budgets[0]})
         assert again.json()["choices"][0]["text"] == expected[0][0]
     finally:
+        http.close()
         client.terminate_server()
     assert client._process.returncode is not None
 
@@ -142,13 +147,15 @@ def test_server_concurrent_requests_errors_and_disconnect(model_dir):
 def test_tensor_parallel_server_through_the_launcher(model_dir):
     """`serve(tensor_parallel=2)`: shardspeed's launcher starts 2 ranks; answers equal the model's own."""
     port = free_port()
-    client = mii.serve(str(model_dir), deployment_name="tiny", restful_api_port=port, tensor_parallel=2)
+    client = mii.serve(
+        str(model_dir), deployment_name="tiny", restful_api_port=port, tensor_parallel=2, timeout=600
+    )
     try:
         model = LlamaForCausalLM.from_pretrained(model_dir).eval()
         tokenizer = byte_tokenizer()
 
         async def many():
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as http:
                 calls = [
                     http.post("/v1/completions", json={"prompt": p, "max_tokens": 10}) for p in PROMPTS[:4]
                 ]
