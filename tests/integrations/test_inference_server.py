@@ -109,8 +109,8 @@ def test_server_concurrent_requests_errors_and_disconnect(model_dir):
             response = http.post("/v1/completions", json=body)
             assert response.status_code == status, (body, response.text)
             assert response.json()["error"]["param"] == param and param in response.json()["error"]["message"]
-        response = httpx.post(
-            base + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+        response = http.post(
+            "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
         )
         assert response.status_code == 400 and response.json()["error"]["param"] == "body"
         assert http.post("/mii/other", json={"prompts": ["x"]}).status_code == 404
