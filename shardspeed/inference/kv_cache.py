@@ -1,0 +1,180 @@
+"""Key/value caches the decoder writes each step's keys and values into.
+
+Both caches answer one question per attention layer: "here are this step's keys and values; give me every
+key and value the queries may see, and the mask". The decoder (decoder.py) does not know which one it has.
+
+* ``StaticKVCache``: one preallocated buffer per layer, ``[batch, kv_heads, max_len, head_dim]``, for
+  ``generate`` on a fixed batch (rows may be left-padded: ``key_valid`` marks real tokens). Nothing is
+  allocated while decoding; a step reads the prefix ``[:length]``, so the per-token cost is the attention
+  itself, with no Python work that grows with the sequence.
+* ``PagedKVCache``: a pool of fixed-size blocks shared by many sequences (the server's continuous batching):
+  a sequence owns a list of blocks, grows one block at a time and hands its blocks back the moment it ends,
+  so requests of different lengths share memory without reserving ``max_len`` each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CacheFull", "PagedKVCache", "PagedSequence", "StaticKVCache"]
+
+
+class CacheFull(RuntimeError):
+    """The cache has no room for the tokens a step wants to write."""
+
+
+class StaticKVCache:
+    """Preallocated keys/values for a fixed batch; every row advances by the same number of tokens."""
+
+    def __init__(self, *, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+        self.key_valid = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        self._mask: torch.Tensor | None = None
+        self._step = 0
+        self._has_padding = False
+
+    def begin_step(self, num_tokens: int, padding_mask: torch.Tensor | None = None) -> None:
+        """Announce a step of ``num_tokens`` per row; ``padding_mask`` [batch, num_tokens] marks real tokens."""
+        start, end = self.length, self.length + num_tokens
+        if end > self.max_len:
+            raise CacheFull(
+                f"sequence would reach {end} tokens but the KV cache holds {self.max_len} "
+                f"(raise max_out_tokens)"
+            )
+        if padding_mask is not None:
+            self.key_valid[:, start:end] = padding_mask.to(torch.bool)
+            # one host sync per batch, at prefill: later unpadded steps skip the mask entirely
+            self._has_padding = self._has_padding or not bool(padding_mask.all())
+        self._step = num_tokens
+        if num_tokens == 1 and not self._has_padding:
+            self._mask = None  # one query sees every key: SDPA's unmasked fast path
+            return
+        device = self.key_valid.device
+        query_pos = torch.arange(start, end, device=device)[:, None]
+        key_pos = torch.arange(end, device=device)[None, :]
+        causal = key_pos <= query_pos  # [T, end]
+        # Every query also sees its own key: a padding query would otherwise see nothing (a NaN row).
+        own = key_pos == query_pos
+        self._mask = (causal[None, None] & self.key_valid[:, None, None, :end]) | own[None, None]
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        start, end = self.length, self.length + self._step
+        self.keys[layer][:, :, start:end] = keys
+        self.values[layer][:, :, start:end] = values
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end], self._mask
+
+    def end_step(self) -> None:
+        self.length += self._step
+
+
+class PagedSequence:
+    """One sequence's share of a ``PagedKVCache``: its blocks (a preallocated table row) and its length."""
+
+    def __init__(self, max_blocks: int, device):
+        self.block_table = torch.zeros(max_blocks, dtype=torch.long, device=device)
+        self.blocks: list[int] = []
+        self.length = 0
+
+
+class PagedKVCache:
+    """A pool of ``num_blocks`` blocks of ``block_size`` tokens per layer, shared by many sequences.
+
+    A step is either the prefill of one new sequence (its whole prompt) or one decode token for each of a
+    batch of sequences of different lengths. Reads gather each sequence's blocks into a padded view with a
+    mask of its valid positions.
+    """
+
+    def __init__(self, *, num_layers, kv_heads, head_dim, num_blocks, block_size, max_len, dtype, device):
+        shape = (num_blocks, kv_heads, block_size, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_len = max_len
+        self.max_blocks = -(-max_len // block_size)
+        self.device = device
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._plan: tuple | None = None
+
+    # ---- ownership --------------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def new_sequence(self) -> PagedSequence:
+        return PagedSequence(self.max_blocks, self.device)
+
+    def release(self, seq: PagedSequence) -> None:
+        """Give a finished (or abandoned) sequence's blocks back to the pool."""
+        self._free.extend(reversed(seq.blocks))
+        seq.blocks.clear()
+        seq.length = 0
+
+    def blocks_needed(self, seq: PagedSequence, num_tokens: int) -> int:
+        return max(0, -(-(seq.length + num_tokens) // self.block_size) - len(seq.blocks))
+
+    def _reserve(self, seq: PagedSequence, num_tokens: int) -> None:
+        if seq.length + num_tokens > self.max_len:
+            raise CacheFull(f"sequence would reach {seq.length + num_tokens} tokens, limit {self.max_len}")
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > len(self._free):
+            raise CacheFull(f"KV cache pool exhausted: {needed} blocks needed, {len(self._free)} free")
+        for _ in range(needed):
+            block = self._free.pop()
+            seq.block_table[len(seq.blocks)] = block
+            seq.blocks.append(block)
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def begin_prefill(self, seq: PagedSequence, num_tokens: int) -> None:
+        """A new sequence's prompt: it attends to itself only (causal), and is written into its blocks."""
+        if seq.length:
+            raise ValueError("prefill is for a new sequence (length 0)")
+        self._reserve(seq, num_tokens)
+        positions = torch.arange(num_tokens, device=self.device)
+        slots = seq.block_table[positions // self.block_size]
+        self._plan = ("prefill", [seq], slots, positions % self.block_size, num_tokens)
+
+    def begin_decode(self, seqs: list[PagedSequence]) -> None:
+        """One new token for each sequence in ``seqs`` (of any lengths)."""
+        for seq in seqs:
+            self._reserve(seq, 1)
+        lengths = torch.tensor([seq.length for seq in seqs], device=self.device)
+        tables = torch.stack([seq.block_table for seq in seqs])  # [B, max_blocks]
+        rows = torch.arange(len(seqs), device=self.device)
+        slots = tables[rows, lengths // self.block_size]
+        # Read only as many blocks as the longest sequence uses, not the whole table.
+        used = -(-(int(lengths.max()) + 1) // self.block_size)
+        tables = tables[:, :used]
+        valid = torch.arange(used * self.block_size, device=self.device)[None, :] <= lengths[:, None]
+        self._plan = ("decode", seqs, slots, lengths % self.block_size, (tables, valid[:, None, None, :]))
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        kind, _, slots, offsets, extra = self._plan
+        pool_k, pool_v = self.keys[layer], self.values[layer]
+        if kind == "prefill":
+            # keys: [1, H, T, D] -> pool[slot_t, :, offset_t] for every t
+            pool_k[slots, :, offsets] = keys[0].transpose(0, 1)
+            pool_v[slots, :, offsets] = values[0].transpose(0, 1)
+            return keys, values, "causal"
+        pool_k[slots, :, offsets] = keys[:, :, 0]
+        pool_v[slots, :, offsets] = values[:, :, 0]
+        tables, mask = extra
+        batch, used = tables.shape
+        heads, dim = keys.shape[1], keys.shape[3]
+        # [B, used, H, bs, D] -> [B, H, used*bs, D]
+        k_all = pool_k[tables].permute(0, 2, 1, 3, 4).reshape(batch, heads, used * self.block_size, dim)
+        v_all = pool_v[tables].permute(0, 2, 1, 3, 4).reshape(batch, heads, used * self.block_size, dim)
+        return k_all, v_all, mask
+
+    def end_step(self) -> None:
+        kind, seqs, _, _, extra = self._plan
+        if kind == "prefill":
+            seqs[0].length += extra
+        else:
+            for seq in seqs:
+                seq.length += 1
+        self._plan = None

@@ -1,0 +1,31 @@
+"""DeepSpeed-MII's front, on shardspeed's inference engine: ``pipeline`` (in-process) and ``serve`` (HTTP).
+
+    pipe = shardspeed.mii.pipeline("path/to/hf_model_dir")
+    responses = pipe(["Hello", "Once upon a time"], max_new_tokens=32)
+    client = shardspeed.mii.serve("path/to/hf_model_dir", port=28080)   # needs the `serve` extra
+
+Modules: ``pipeline`` (model loading, Response, Pipeline), ``server`` (the FastAPI app, the generation
+thread, the ``shardspeed-serve`` command), ``client`` (``serve`` and the client it returns). Loading a model
+directory needs the ``hf`` extra (transformers, for the config and tokenizer); the server needs ``serve``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["Pipeline", "Response", "client", "load_model", "pipeline", "serve"]
+
+_LAZY = {
+    "Pipeline": "shardspeed.mii.pipeline",
+    "Response": "shardspeed.mii.pipeline",
+    "load_model": "shardspeed.mii.pipeline",
+    "pipeline": "shardspeed.mii.pipeline",
+    "serve": "shardspeed.mii.client",
+    "client": "shardspeed.mii.client",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardspeed.mii' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

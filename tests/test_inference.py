@@ -1,0 +1,257 @@
+"""init_inference on a user's own model (torch only): config, fast decode, caches, continuous batching, tp 2.
+
+The model is tests/inference_models.py's TinyLlama (Hugging Face's Llama layout, written in torch); its own
+full-sequence forward, re-run for every token, is the reference for every generated token here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+import shardspeed
+from shardspeed.config.errors import ConfigError
+from shardspeed.config.inference import InferenceConfig, load_inference_config
+from shardspeed.inference.decoder import FastDecoder
+from shardspeed.inference.generation import GenerationSettings
+from shardspeed.inference.quantize import Int8Linear
+from shardspeed.inference.scheduler import BatchRequest, ContinuousBatcher
+
+from harness import run_ranks
+from inference_models import DecoderLayer, TinyLlama, greedy_reference
+
+PROMPTS = [[5, 9, 3], [7, 1, 8, 2, 6, 4, 11], [3], [12, 13, 14, 15, 16], [2, 2]]
+
+
+def test_config_merges_kwargs_and_names_bad_keys():
+    cfg = load_inference_config(
+        {"dtype": "bf16", "tp": {"tp_size": 1}}, {"max_out_tokens": 64, "kernel_inject": True}
+    )
+    assert (cfg.dtype, cfg.tp_size, cfg.max_out_tokens, cfg.replace_with_kernel_inject) == (
+        "bf16",
+        1,
+        64,
+        True,
+    )
+    assert load_inference_config(None, {"dtype": torch.float16}).torch_dtype == torch.float16
+    assert load_inference_config(None, {"mp_size": 2}).tensor_parallel.tp_size == 2
+    assert load_inference_config(None, {}).dtype == "fp16"  # DeepSpeed's default
+    defaults = shardspeed.default_inference_config()
+    assert defaults["max_out_tokens"] == 1024 and defaults["tensor_parallel"]["tp_size"] == 1
+    assert load_inference_config(defaults) == InferenceConfig()  # the defaults load back as themselves
+    with pytest.raises(ConfigError, match="dtype: given in config as"):
+        load_inference_config({"dtype": "fp16"}, {"dtype": "bf16"})
+    with pytest.raises(ConfigError, match=r"mp_size.*contradicts tensor_parallel.tp_size"):
+        load_inference_config({"tensor_parallel": {"tp_size": 2}, "mp_size": 4})
+    with pytest.raises(ConfigError, match="max_out_token"):
+        load_inference_config(None, {"max_out_token": 10})
+    with pytest.raises(ConfigError, match=r"tensor_parallel.tp_size"):
+        load_inference_config(None, {"tensor_parallel": {"tp_size": 0}})
+    with pytest.raises(ConfigError, match="dtype"):
+        load_inference_config(None, {"dtype": "fp8"})
+    with pytest.raises(ConfigError, match="zero: ZeRO-Inference is not supported"):
+        load_inference_config(None, {"zero": {"stage": 3}})
+
+
+def test_generate_equals_reference_greedy(caplog):
+    model = TinyLlama()
+    with caplog.at_level(logging.INFO, logger="shardspeed.inference.engine"):
+        engine = shardspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True,
+                                           max_out_tokens=32)  # fmt: skip
+    assert "scaled_dot_product_attention" in caplog.text  # what replaces kernel injection is logged
+    assert engine.module is model and isinstance(engine.decoder, FastDecoder)
+    ids = torch.tensor([PROMPTS[0], [4, 4, 6]])
+    torch.testing.assert_close(engine(ids).logits, model(ids).logits, rtol=0, atol=0)
+    out = engine.generate(ids, max_new_tokens=10)
+    assert out.shape == (2, 13) and torch.equal(out[:, :3], ids)
+    for row in range(2):
+        assert out[row, 3:].tolist() == greedy_reference(model, ids[row].tolist(), 10)
+    # left padding: each row equals its own unpadded run
+    padded = torch.tensor([[0, 0, 0, 0] + PROMPTS[0], PROMPTS[1]])
+    mask = (torch.arange(7) >= torch.tensor([[4], [0]])).long()
+    out = engine.generate(padded, attention_mask=mask, max_new_tokens=6)
+    assert out[0, 7:].tolist() == greedy_reference(model, PROMPTS[0], 6)
+    assert out[1, 7:].tolist() == greedy_reference(model, PROMPTS[1], 6)
+    # a stop token ends a row; rows that stopped are padded with pad_token_id, as HF generate
+    first = greedy_reference(model, PROMPTS[1], 3)
+    out = engine.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=8, eos_token_id=first[1])
+    assert out[0, 7:].tolist() == first[:2]
+    out = engine.generate(torch.tensor([PROMPTS[0]]), max_length=9)  # HF's max_length counts the prompt
+    assert out.shape == (1, 9)
+    with pytest.raises(ValueError, match="max_out_tokens"):
+        engine.generate(ids, max_new_tokens=40)
+    # options only the model's own generate has are passed to it (TinyLlama has none: the error says so)
+    with pytest.raises(AttributeError, match="generate"):
+        engine.generate(ids, max_new_tokens=4, num_beams=2)
+    # weights changed after init_inference (fused q/k/v must follow): the answer is still the model's
+    model.double()
+    out = engine.generate(ids.clone(), max_new_tokens=5)
+    assert out[0, 3:].tolist() == greedy_reference(model, PROMPTS[0], 5)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy():
+    model = TinyLlama()
+    engine = shardspeed.init_inference(model, dtype=torch.float32, max_out_tokens=32)
+    ids = torch.tensor([PROMPTS[3]])
+    torch.manual_seed(3)
+    a = engine.generate(ids, do_sample=True, temperature=0.8, top_p=0.9, max_new_tokens=8)
+    torch.manual_seed(3)
+    b = engine.generate(ids, do_sample=True, temperature=0.8, top_p=0.9, max_new_tokens=8)
+    assert torch.equal(a, b) and int(a.max()) < 64
+    greedy = engine.generate(ids, max_new_tokens=8)
+    assert torch.equal(engine.generate(ids, do_sample=True, top_k=1, max_new_tokens=8), greedy)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(ids, do_sample=True, temperature=0.0)
+
+
+def test_int8_weights():
+    model = TinyLlama()
+    reference = model(torch.tensor([PROMPTS[1]])).logits
+    engine = shardspeed.init_inference(model, dtype=torch.int8, max_out_tokens=32)
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 2 * 7 + 1 and all(m.qweight.dtype == torch.int8 for m in linears)
+    logits = engine(torch.tensor([PROMPTS[1]])).logits
+    assert (logits - reference).abs().max() / reference.abs().max() < 0.05
+
+
+def test_checkpoint_loading_into_a_meta_model(tmp_path):
+    from safetensors.torch import save_file
+
+    source = TinyLlama(seed=5)
+    state = {k: v.contiguous() for k, v in source.state_dict().items()}
+    ids = torch.tensor([PROMPTS[1]])
+    expected = source(ids).logits
+    (tmp_path / "st").mkdir()
+    save_file(state, tmp_path / "st" / "model.safetensors")
+    torch.save(state, tmp_path / "weights.pt")
+    (tmp_path / "ckpt.json").write_text('{"type": "ds_model", "checkpoints": ["weights.pt"]}')
+    for checkpoint in (str(tmp_path / "st"), str(tmp_path / "weights.pt"), str(tmp_path / "ckpt.json")):
+        with torch.device("meta"):
+            model = TinyLlama()
+        engine = shardspeed.init_inference(
+            model, dtype=torch.float32, checkpoint=checkpoint, max_out_tokens=32
+        )
+        torch.testing.assert_close(engine(ids).logits, expected, rtol=0, atol=0)
+    with torch.device("meta"):
+        model = TinyLlama()
+    with pytest.raises(ValueError, match="checkpoint: the model is on the meta device"):
+        shardspeed.init_inference(model, dtype=torch.float32)
+    with pytest.raises(FileNotFoundError, match="checkpoint"):
+        shardspeed.init_inference(TinyLlama(), checkpoint=str(tmp_path / "missing"))
+
+
+def _run(batcher, requests, late=(), after_steps=2):
+    for request in requests:
+        batcher.submit(request)
+    steps = 0
+    while batcher.step():
+        steps += 1
+        if steps == after_steps:
+            for request in late:  # join between decode steps
+                batcher.submit(request)
+    return steps
+
+
+def test_continuous_batching_over_paged_cache():
+    model = TinyLlama()
+    engine = shardspeed.init_inference(model, dtype=torch.float32, max_out_tokens=32)
+    batcher = ContinuousBatcher(engine.decoder, max_len=32, max_batch=3, block_size=4)
+    all_blocks = batcher.cache.free_blocks
+    budgets = [9, 4, 12, 6, 3]
+    emitted = {}
+    requests = []
+    for i, (prompt, budget) in enumerate(zip(PROMPTS, budgets)):
+        settings = GenerationSettings(max_new_tokens=budget)
+        requests.append(
+            BatchRequest(prompt, settings, emit=lambda t, r, i=i: emitted.setdefault(i, []).append((t, r)))
+        )
+    _run(batcher, requests[:2], late=requests[2:])
+    for i, request in enumerate(requests):
+        assert request.generated == greedy_reference(model, PROMPTS[i], budgets[i]), i
+        assert [t for t, _ in emitted[i]] == request.generated and emitted[i][-1][1] == "length"
+    assert batcher.max_running_seen == 3  # requests of different lengths shared one batch
+    assert batcher.cache.free_blocks == all_blocks and batcher.idle  # everything handed back
+    # a stop token ends a request at once; a cancelled one leaves and frees its blocks
+    stop_at = greedy_reference(model, PROMPTS[1], 3)[2]
+    stopping = BatchRequest(
+        PROMPTS[1], GenerationSettings(max_new_tokens=10, eos_token_ids=[stop_at]), emit=lambda t, r: None
+    )
+    cancelled = BatchRequest(PROMPTS[0], GenerationSettings(max_new_tokens=20), emit=lambda t, r: None)
+    batcher.submit(stopping)
+    batcher.submit(cancelled)
+    batcher.step()
+    batcher.cancel(cancelled)
+    while batcher.step():
+        pass
+    assert stopping.finish_reason == "stop" and stopping.generated == greedy_reference(model, PROMPTS[1], 3)
+    assert cancelled.finish_reason == "cancelled" and batcher.cache.free_blocks == all_blocks
+    with pytest.raises(ValueError, match=r"max_tokens.*exceeds the model's context of 32"):
+        batcher.submit(BatchRequest(PROMPTS[1], GenerationSettings(max_new_tokens=30), emit=None))
+    # a small pool: the third request waits for blocks instead of failing half-way
+    small = ContinuousBatcher(engine.decoder, max_len=32, max_batch=3, block_size=4, num_blocks=6)
+    requests = [
+        BatchRequest(PROMPTS[i], GenerationSettings(max_new_tokens=8), emit=lambda t, r: None)
+        for i in (0, 2, 4)
+    ]
+    _run(small, requests)
+    assert small.max_running_seen == 2
+    assert [r.generated for r in requests] == [greedy_reference(model, PROMPTS[i], 8) for i in (0, 2, 4)]
+
+
+def _tp_job():
+    import torch.distributed as dist
+
+    from shardspeed.comm.init import init_distributed
+    from shardspeed.mii.engine_loop import EngineLoop
+
+    init_distributed(dist_backend="gloo")
+    results = {}
+    reference = TinyLlama(layers=2)
+    model = TinyLlama(layers=2)
+    full = sum(p.numel() for n, p in model.named_parameters() if "layers" in n and p.dim() == 2)
+    engine = shardspeed.init_inference(model, tensor_parallel={"tp_size": 2}, dtype=torch.float32,
+                                       injection_policy={DecoderLayer: ("o_proj", "down_proj")},
+                                       max_out_tokens=32)  # fmt: skip
+    local = sum(p.numel() for n, p in model.named_parameters() if "layers" in n and p.dim() == 2)
+    results["fraction"] = local / full
+    ids = torch.tensor([PROMPTS[1], [1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        results["logits_diff"] = float((engine(ids).logits - reference(ids).logits).abs().max())
+    out = engine.generate(ids, max_new_tokens=8)
+    results["generate_ok"] = all(
+        out[r, 7:].tolist() == greedy_reference(reference, ids[r].tolist(), 8) for r in range(2)
+    )
+    # the server's loop in lockstep: rank 0 drives, rank 1 follows
+    batcher = ContinuousBatcher(engine.decoder, max_len=32, max_batch=4, block_size=4)
+    loop = EngineLoop(batcher, engine.mp_group, idle_s=0.01)
+    if dist.get_rank() == 0:
+        done = threading.Semaphore(0)
+        requests = [BatchRequest(p, GenerationSettings(max_new_tokens=6), emit=lambda t, r: r and done.release())
+                    for p in PROMPTS]  # fmt: skip
+        loop.start()
+        for request in requests:
+            loop.submit(request)
+        for _ in requests:
+            assert done.acquire(timeout=60)
+        loop.stop()
+        results["loop_ok"] = [r.generated for r in requests] == [
+            greedy_reference(reference, p, 6) for p in PROMPTS
+        ]
+    else:
+        loop.follow()
+    with pytest.raises(ValueError, match=r"int8.*not supported together with tensor parallelism"):
+        shardspeed.init_inference(TinyLlama(), tensor_parallel={"tp_size": 2}, dtype="int8",
+                                  injection_policy={DecoderLayer: ("o_proj", "down_proj")})  # fmt: skip
+    return results
+
+
+def test_tensor_parallel_with_injection_policy():
+    results = run_ranks(_tp_job, 2)
+    for rank, result in enumerate(results):
+        assert result["logits_diff"] <= 1e-4, (rank, result)
+        assert result["generate_ok"], rank
+        assert 0.45 < result["fraction"] < 0.55, result
+    assert results[0]["loop_ok"]
