@@ -118,7 +118,7 @@ def test_int8_weights():
 
 
 def test_checkpoint_loading_into_a_meta_model(tmp_path):
-    from safetensors.torch import save_file
+    from shardspeed.checkpoint.consolidate import save_safetensors as save_file
 
     source = TinyLlama(seed=5)
     state = {k: v.contiguous() for k, v in source.state_dict().items()}

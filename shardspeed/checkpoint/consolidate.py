@@ -39,6 +39,7 @@ __all__ = [
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
     "main",
+    "save_safetensors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,16 @@ def _write_tensor_bytes(f, tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes:
         f.write(memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B"))
+
+
+def save_safetensors(state: dict, path) -> None:
+    """Write `state` (name -> tensor) as one safetensors file without NumPy, which `safetensors.torch.save_file`
+    needs and a clean install lacks. Tensors keep their dtype; tied aliases are written as separate entries."""
+    entries = [
+        _Entry(key, value.shape, value.dtype, lambda value=value: value.detach())
+        for key, value in state.items()
+    ]
+    _write_safetensors(Path(path), entries)
 
 
 def _write_safetensors(path: Path, entries: list[_Entry]) -> None:

@@ -87,20 +87,10 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
         path = Path(save_dir) / save_filename
         path.parent.mkdir(parents=True, exist_ok=True)
         if save_filename.endswith(".safetensors"):
-            from safetensors.torch import save_file
+            from shardspeed.checkpoint.consolidate import save_safetensors
 
-            save_file({k: v.contiguous() for k, v in _untie(state).items()}, str(path))
+            save_safetensors(state, path)
         else:
             files.save_file(state, path)
     dist.barrier()
     return True
-
-
-def _untie(state: dict) -> dict:
-    """safetensors refuses tensors sharing memory: give tied aliases their own copy."""
-    seen, out = set(), {}
-    for key, value in state.items():
-        ptr = value.untyped_storage().data_ptr() if value.numel() else None
-        out[key] = value.clone() if ptr is not None and ptr in seen else value
-        seen.add(ptr)
-    return out

@@ -169,3 +169,17 @@ def all_gather_strings(text: str, device: torch.device, group=None) -> list[str]
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded, group=group)
     return [bytes(g[: int(n)].tolist()).decode() for g, n in zip(gathered, lengths)]
+
+
+def broadcast_bytes(payload: bytes | None, src: int, group=None) -> bytes:
+    """`payload` of global rank `src`, on every rank of `group` (others pass None). Sent as a byte tensor,
+    not a pickle through torch's `broadcast_object_list`, which needs NumPy (absent from a clean install)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    mine = dist.get_rank() == src
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if mine and payload else torch.empty(0)
+    length = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    buffer = data.to(device) if mine else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    if buffer.numel():
+        dist.broadcast(buffer, src=src, group=group)
+    return bytes(buffer.cpu().tolist()) if not mine else bytes(payload or b"")

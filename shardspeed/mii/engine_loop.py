@@ -12,10 +12,12 @@ round every ``idle_s`` seconds, so the other ranks never sit in a collective lon
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 
 import torch.distributed as dist
 
+from shardspeed.comm.collectives import broadcast_bytes
 from shardspeed.inference.scheduler import BatchRequest, ContinuousBatcher
 
 __all__ = ["EngineLoop"]
@@ -73,8 +75,9 @@ class EngineLoop:
                     commands = [(_STOP, None)]
                 wire = [self._wire(cmd) for cmd in commands]
                 if self.group is not None:
-                    box = [wire]
-                    dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+                    broadcast_bytes(
+                        pickle.dumps(wire), src=dist.get_global_rank(self.group, 0), group=self.group
+                    )
                 if stopping:
                     return
                 self._apply(commands)
@@ -109,14 +112,13 @@ class EngineLoop:
     def follow(self) -> None:
         """Apply rank 0's rounds until it stops (the other tensor-parallel ranks' main loop)."""
         while True:
-            box = [None]
             try:
-                dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+                wire = broadcast_bytes(None, src=dist.get_global_rank(self.group, 0), group=self.group)
             except RuntimeError as error:  # rank 0 stopped (a shutdown signal reaches every rank at once)
                 logger.warning("generation loop: rank 0 went away (%s); stopping", str(error).splitlines()[0])
                 return
             commands = []
-            for kind, value in box[0]:
+            for kind, value in pickle.loads(wire):  # rank 0 of this job: trusted
                 if kind == _STOP:
                     return
                 if kind == "add":

@@ -12,9 +12,13 @@ set the last call built, which the `deepspeed.utils.groups` accessors read.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
+
+from shardspeed.comm.collectives import all_gather_strings
 
 __all__ = ["ExpertGroup", "ExpertGroups", "build_expert_groups", "data_parallel_slices", "latest"]
 
@@ -66,11 +70,18 @@ def data_parallel_slices(mpu=None) -> list[list[int]]:
     """Every data-parallel group's global ranks, sorted: from the grid's topology, or the world."""
     if mpu is None:
         return [list(range(dist.get_world_size()))]
-    topology = getattr(mpu, "topology", None)
-    if callable(topology):
-        return topology().get_axis_comm_lists("data")
-    gathered: list = [None] * dist.get_world_size()  # a foreign mpu: ask every rank for its data group
-    dist.all_gather_object(gathered, dist.get_process_group_ranks(mpu.get_data_parallel_group()))
+    topology = getattr(mpu, "topology", None)  # a ParallelGrid's property, a PipelineModule's method
+    topology = topology() if callable(topology) else topology
+    if topology is not None and hasattr(topology, "get_axis_comm_lists"):
+        return topology.get_axis_comm_lists("data")
+    # a foreign mpu: ask every rank for its data group (as text: torch's *_object collectives need NumPy)
+    mine = json.dumps(dist.get_process_group_ranks(mpu.get_data_parallel_group()))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    gathered = [json.loads(text) for text in all_gather_strings(mine, device)]
     return sorted({tuple(r) for r in gathered})
 
 
