@@ -27,7 +27,7 @@ from .schema import ShardspeedConfig
 __all__ = ["load_config", "parse_config_text", "read_config_source"]
 
 # Keys where "auto" is a value DeepSpeed itself understands, not an integration placeholder.
-NATIVE_AUTO_KEYS = frozenset({"pipeline.stages"})
+NATIVE_AUTO_KEYS = frozenset({"pipeline.stages", "pipeline.virtual_stages"})
 # Blocks whose values go straight into an optimizer or schedule constructor: an "auto" left there cannot
 # fall back to a default without silently changing the training (DeepSpeed would crash inside torch).
 STRICT_AUTO_BLOCKS = ("optimizer", "scheduler")
