@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tp_models import LlamaMLP
+
 
 def rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
@@ -69,22 +71,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, dim, heads, kv_heads, hidden):
         super().__init__()
         self.self_attn = Attention(dim, heads, kv_heads)
-        self.mlp = MLP(dim, hidden)
+        self.mlp = LlamaMLP(dim, hidden)
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(dim), RMSNorm(dim)
 
     def forward(self, x, cos, sin):

@@ -21,11 +21,12 @@ def _error(fn) -> str:
 
 def autotp_job():
     import torch.distributed as dist
-    import tp_models
     from torch import nn
 
     from shardspeed.module_inject import shard_model
     from shardspeed.module_inject.tp_state import tp_full_state_dict
+
+    import tp_models
 
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])

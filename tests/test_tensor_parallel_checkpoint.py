@@ -12,10 +12,11 @@ def checkpoint_job(tmp):
 
     import torch
     import tp_common
-    import tp_models
 
     import shardspeed
     from shardspeed.module_inject.tp_state import tp_full_state_dict
+
+    import tp_models
 
     shardspeed.init_distributed()
     out = {}

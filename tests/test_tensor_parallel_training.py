@@ -36,9 +36,10 @@ def _error(fn) -> str:
 def data_parallel_run(kind, zero, clip, gas, dtype):
     import torch.distributed as dist
     import tp_common
-    import tp_models
 
     import shardspeed
+
+    import tp_models
 
     # the same global batches as the tp 2 run, split over every rank as data parallelism (gas must be even)
     world = dist.get_world_size()
@@ -55,11 +56,12 @@ def data_parallel_run(kind, zero, clip, gas, dtype):
 def training_job(cases, with_errors: bool):
     import torch.distributed as dist
     import tp_common
-    import tp_models
 
     import shardspeed
     from shardspeed.module_inject.tp_state import tp_full_state_dict
     from shardspeed.utils import groups
+
+    import tp_models
 
     shardspeed.init_distributed()
     world = dist.get_world_size()

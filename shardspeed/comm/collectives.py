@@ -171,10 +171,19 @@ def all_gather_strings(text: str, device: torch.device, group=None) -> list[str]
     return [bytes(g[: int(n)].tolist()).decode() for g, n in zip(gathered, lengths)]
 
 
+def comm_device(group=None) -> torch.device:
+    """Where tensors handed to `group`'s collectives must live: the current GPU for NCCL, else the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
+
+
 def broadcast_bytes(payload: bytes | None, src: int, group=None) -> bytes:
     """`payload` of global rank `src`, on every rank of `group` (others pass None). Sent as a byte tensor,
     not a pickle through torch's `broadcast_object_list`, which needs NumPy (absent from a clean install)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = comm_device(group)
     mine = dist.get_rank() == src
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if mine and payload else torch.empty(0)
     length = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)

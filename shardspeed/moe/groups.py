@@ -15,10 +15,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
-from shardspeed.comm.collectives import all_gather_strings
+from shardspeed.comm.collectives import all_gather_strings, comm_device
 
 __all__ = ["ExpertGroup", "ExpertGroups", "build_expert_groups", "data_parallel_slices", "latest"]
 
@@ -76,12 +75,7 @@ def data_parallel_slices(mpu=None) -> list[list[int]]:
         return topology.get_axis_comm_lists("data")
     # a foreign mpu: ask every rank for its data group (as text: torch's *_object collectives need NumPy)
     mine = json.dumps(dist.get_process_group_ranks(mpu.get_data_parallel_group()))
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    gathered = [json.loads(text) for text in all_gather_strings(mine, device)]
+    gathered = [json.loads(text) for text in all_gather_strings(mine, comm_device())]
     return sorted({tuple(r) for r in gathered})
 
 

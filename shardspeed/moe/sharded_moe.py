@@ -42,9 +42,9 @@ def _max_over_group(count: int, ep_group) -> int:
 
     if ep_group is None or dist.get_world_size(ep_group) == 1:
         return count
-    value = torch.tensor([count], dtype=torch.int64)
-    if dist.get_backend(ep_group) == "nccl":
-        value = value.cuda()
+    from shardspeed.comm.collectives import comm_device
+
+    value = torch.tensor([count], dtype=torch.int64, device=comm_device(ep_group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ep_group)
     return int(value.item())
 

@@ -148,6 +148,7 @@ class PipelineModule(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.chunk_funcs: list[list] = [self._build(start, stop) for start, stop in self.chunk_ranges]
+        # DeepSpeed's attribute (every chunk's layers in order); the forward itself runs `chunk_funcs[chunk]`
         self.forward_funcs = [f for funcs in self.chunk_funcs for f in funcs]
         self.tied = TiedWeights(self)
         self.tied.sync_weights()
