@@ -10,6 +10,13 @@ while it waits for its gradients in backward, or always when *persistent* (small
 `stage3_param_persistence_threshold`). Its full parameters are released in backward as soon as every
 trainable parameter's gradient has been produced — autograd accumulates a leaf's gradient only after every
 operation that used it has run its backward, so nothing later needs the values.
+
+[Note: one storage per unit] A unit's full buffer is one tensor for its whole life; releasing it resizes
+its storage to zero bytes and gathering resizes it back and fills it (as FSDP2 does). Autograd saves views
+of parameters for backward (`F.linear` saves `weight.t()`), and a saved view keeps its storage alive: were
+each gather a fresh buffer, every unit's forward buffer would stay in memory until its backward — the
+whole model at once at the end of forward. With one storage, releasing really frees the memory, and the
+re-gather before backward refills the very storage the saved views read.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class ParamUnit(FlatParamBucket):
         self.persistent = persistent
         self.has_frozen = any(not p.requires_grad for p in params)
         self._shard = self.flat[rank * self.shard_numel : (rank + 1) * self.shard_numel].clone()
+        self._full = self.flat  # the one full buffer, released by resizing its storage [Note: one storage]
         self.refs = 0
         self.awaiting_grads = False
         self.on_modified = None  # set by the optimizer wrapper: refresh its fp32 master from the shard
@@ -102,7 +110,8 @@ class ParamUnit(FlatParamBucket):
     def gather(self, async_op: bool = False) -> None:
         """Start (or finish) the all-gather of every rank's shard into a fresh full buffer."""
         if self.flat is None:
-            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.flat = self._full
+            self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
             if not self.persistent:
                 self.live.numel += self.padded_numel
                 self._counted = True
@@ -125,6 +134,7 @@ class ParamUnit(FlatParamBucket):
         self.wait()
         for p in self.params:
             p.data = self._empty
+        self._full.untyped_storage().resize_(0)  # also what autograd saved of it [Note: one storage]
         self.flat = None
         if self._counted:
             self.live.numel -= self.padded_numel
