@@ -88,7 +88,7 @@ class ZeroOptimizer(OptimizerWrapper):
             self.nvme = build_optimizer_swapper(optimizer, numels, offload, dist.get_rank(group))
         self.masters = []
         for bucket in buckets:
-            master = self._master_for(bucket.shard)
+            master = self._master_for(bucket.read_shard() if stage == 3 else bucket.shard)
             if stage == 3:
                 bucket.evict()
             if self.nvme is not None:
@@ -200,6 +200,10 @@ class ZeroOptimizer(OptimizerWrapper):
     def _bucket_stepped(self, index: int) -> None:
         master, bucket = self.masters[index], self.buckets[index]
         master.grad = None
+        if self.coordinator is not None:  # stage 3: the shard may live on an offload tier
+            bucket.replace_shard(master)
+            bucket.evict()  # parameter offload: the updated shard goes home now, not all at the end
+            return
         if master.device != bucket.shard.device:
             # Host to device as fp32 from page-locked memory (asynchronous: the next bucket steps meanwhile),
             # converted on the device — torch would convert a cross-device copy on the host, synchronously.
@@ -207,8 +211,6 @@ class ZeroOptimizer(OptimizerWrapper):
             bucket.shard.copy_(master.to(bucket.shard.device, non_blocking=True))
         elif master is not bucket.shard:
             bucket.shard.copy_(master)
-        if self.coordinator is not None:
-            bucket.evict()  # parameter offload: the updated shard goes home now, not all at the end
 
     def _publish_shards(self) -> None:
         """Make updated shards visible: stage 1/2 all-gather every bucket now; stage 3 gathers on use."""

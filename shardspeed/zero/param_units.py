@@ -76,9 +76,10 @@ class ParamUnit(FlatParamBucket):
         (optimizer step, checkpoint load, GatheredParameters), so it is written home at the next release."""
         if self._home is not None:
             self._dirty = True
-        return self._resident_shard()
+        return self.read_shard()
 
-    def _resident_shard(self) -> torch.Tensor:
+    def read_shard(self) -> torch.Tensor:
+        """This rank's shard for reading only (loaded if need be, not marked as changed)."""
         if self._shard is None:
             self._shard = self._home.load()
         return self._shard
@@ -86,6 +87,19 @@ class ParamUnit(FlatParamBucket):
     def shard_in_memory(self) -> torch.Tensor | None:
         """The shard if it is in memory now, else None (memory accounting must not load it)."""
         return self._shard
+
+    def replace_shard(self, value: torch.Tensor) -> None:
+        """Overwrite this rank's shard with `value` (the updated master, possibly fp32 on the host). An
+        offloaded shard that is not in memory is replaced in its home without being read first."""
+        if self._home is not None and self._shard is None:
+            self._home.replace(value)
+            return
+        shard = self.shard
+        if value is shard:
+            return
+        if value.device != shard.device:  # as ZeroOptimizer._bucket_stepped: fp32 across, converted there
+            value = value.to(shard.device, non_blocking=True)
+        shard.copy_(value)
 
     def prefetch_shard(self) -> bool:
         """Start bringing an offloaded shard in ahead of its gather; False when the read-ahead budget is full."""
@@ -115,7 +129,7 @@ class ParamUnit(FlatParamBucket):
             if not self.persistent:
                 self.live.numel += self.padded_numel
                 self._counted = True
-            self._work = all_gather_flat(self.flat, self._resident_shard(), group=self.group, async_op=True)
+            self._work = all_gather_flat(self.flat, self.read_shard(), group=self.group, async_op=True)
         if not async_op:
             self.wait()
 

@@ -13,6 +13,8 @@ A `ParamTier` is the offload target shared by every unit; each non-persistent un
 
 A unit writes its shard back to its home only when something outside the gather path may have changed it
 (the optimizer step, a checkpoint load, `GatheredParameters` with a modifier rank): see ParamUnit.shard.
+The optimizer step overwrites whole shards, so it replaces them in their homes without reading them first
+(`ParamUnit.replace_shard`).
 Gradients never come here: the reducer hands each gradient shard straight to the optimizer side.
 """
 
@@ -106,6 +108,17 @@ class OffloadedShard:
         source = value if value.device.type == "cpu" else value.to("cpu")
         self._write = self.tier.io.write(source.contiguous(), self.file)
         self.tier.track_write(self)
+
+    def replace(self, value: torch.Tensor) -> None:
+        """Make `value` (any dtype or device) the home copy without reading the old one: the optimizer step
+        overwrites the whole shard, so reading it first would only cost a read per parameter per step."""
+        if not self.on_disk:
+            self.host.copy_(value)  # no-op when `value` is the host copy itself (a CPU-only fp32 run)
+            return
+        self.drop()  # a buffer read ahead holds the old value
+        buffer = aligned_empty(self.numel, self.dtype, pin=self.tier.pin)
+        buffer.copy_(value)
+        self.store(buffer)
 
     def prefetch(self) -> bool:
         """Start reading the shard if the read-ahead budget allows; True when it is (being) read."""
