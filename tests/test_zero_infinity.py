@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from common import base_config, engine_run, full_params, max_diff, reference_run, train_engine
+from common import base_config, engine_run, full_params, max_diff, micro_batch, reference_run, train_engine
 from harness import run_ranks
 from models import TinyGPT, token_batches
 
@@ -137,23 +137,29 @@ def _tiers(root: str, world: int) -> dict:
     grown = _rss_bytes() - before
     disk = engine.optimizer.nvme.disk_bytes() + engine.optimizer.coordinator.tier.disk_bytes()
     shard = numel // world
+    kept = [s.grad_shard for s in engine.optimizer.grads.slots if s.grad_shard is not None]
+    grads = engine.memory_breakdown()["grads"]
     engine.destroy()
     del dist
-    return {"grown": grown, "disk": disk, "shard": shard, "sub_group": sub_group, "prefetch": prefetch}
+    return {"grown": grown, "disk": disk, "shard": shard, "sub_group": sub_group, "prefetch": prefetch,
+            "grad_shards_kept": len(kept), "grad_bytes": grads}  # fmt: skip
 
 
 def test_state_lives_in_files_and_memory_stays_small(tmp_path):
     for rank in run_ranks(_tiers, 2, str(tmp_path), 2, timeout=300):
         shard = rank["shard"]
-        # Files: the fp32 parameter shard (4 B), its fp32 master (4 B) and Adam's two moments (8 B).
-        assert 0.95 * 16 * shard <= rank["disk"] <= 1.1 * 16 * shard, rank
-        # Memory: the gradient shard (4 B, kept for the next step), the sub-groups in flight (2 x 12 B per
-        # element), the parameter read-ahead buffers and what one gathered layer needs — not the 16 B per
-        # element of model state (an offload-free engine grows by more than that).
-        in_memory = 4 * shard + 2 * 12 * rank["sub_group"] + 4 * rank["prefetch"]
+        # Files: the fp32 parameter shard (4 B), its fp32 master (4 B), Adam's two moments (8 B) and the
+        # gradient (4 B), which goes to its sub-group's file during backward.
+        assert 0.95 * 20 * shard <= rank["disk"] <= 1.1 * 20 * shard, rank
+        # No gradient shard is kept in memory between backward and step ...
+        assert rank["grad_shards_kept"] == 0 and rank["grad_bytes"] == 0, rank
+        # ... so memory holds one sub-group (16 B per element with its gradient), the parameter read-ahead
+        # buffers and what one gathered layer needs: less than the fp32 gradient shard alone, let alone
+        # the 20 B per element of training state.
+        in_memory = 16 * rank["sub_group"] + 4 * rank["prefetch"]
         slack = 24 * 2**20  # allocator, gathered layers and their gradients, Gloo buffers
         assert rank["grown"] < in_memory + slack, rank
-        assert rank["grown"] < 16 * shard, rank
+        assert rank["grown"] < 4 * shard, rank
     assert os.listdir(tmp_path) == []
 
 
@@ -227,16 +233,21 @@ def _save_resume(root: str, world: int) -> dict:
         return engine
 
     def accessors(engine) -> dict:
+        # a backward with no step after it: its gradients wait in the swap files (NVMe) or in memory
+        engine.backward(engine(micro_batch(data, 0, 0, rank, world, engine.train_micro_batch_size_per_gpu())))
         params = dict(engine.module.named_parameters())
         return {
             name: (shardspeed.zero.safe_get_full_fp32_param(p),
-                   shardspeed.zero.safe_get_full_optimizer_state(p, "exp_avg_sq"))
+                   shardspeed.zero.safe_get_full_optimizer_state(p, "exp_avg_sq"),
+                   shardspeed.zero.safe_get_full_grad(p))
             for name, p in params.items() if p.requires_grad
         }  # fmt: skip
 
     engine = engine_for(nvme)
     data = token_batches(6, engine.train_batch_size())
     rank = dist.get_rank()
+    accessors(engine)  # before any step: the state accessors on a fresh engine, and a gradient to forget
+    engine.zero_grad()
     train_engine(engine, data, range(3), rank, world)
     engine.save_checkpoint(f"{root}/ckpt")
     train_engine(engine, data, range(3, 6), rank, world)
@@ -256,10 +267,11 @@ def test_all_nvme_checkpoints_resume_exactly_and_accessors_read_swapped_state(tm
     for out in run_ranks(_save_resume, 2, str(tmp_path), 2, timeout=300):
         for name in ("nvme", "plain"):
             assert max_diff(out[name], out["uninterrupted"]) == 0, name
-            for param, (master, moment) in out[f"{name} state"].items():
-                expected_master, expected_moment = out["uninterrupted state"][param]
+            for param, (master, moment, grad) in out[f"{name} state"].items():
+                expected_master, expected_moment, expected_grad = out["uninterrupted state"][param]
                 assert master is not None and moment is not None, param
                 assert torch.equal(master, expected_master) and torch.equal(moment, expected_moment), param
+                assert grad.abs().sum() > 0 and torch.equal(grad, expected_grad), param
     for sub in ("optim", "params"):  # the nvme_path folders are left, empty
         assert os.listdir(tmp_path / "swap" / sub) == []
 

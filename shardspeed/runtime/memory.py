@@ -73,7 +73,8 @@ def _add_wrapper_states(result: ModelStateBytes, wrapper, seen: set) -> None:
         result.grads += _bytes([b.buffer for b in wrapper.reducer.buckets], seen)
         masters = wrapper.master_flats
     else:
-        result.grads += _bytes(wrapper.grads.flat_grads(), seen)
+        if not wrapper._grads_on_nvme:  # NVMe optimizer offload: the gradients are in the swap files
+            result.grads += _bytes(wrapper.grads.flat_grads(), seen)
         if wrapper.zero_stage == 1:
             result.grads += _bytes([b.buffer for b in wrapper.grads.buckets], seen)
         masters = wrapper.masters

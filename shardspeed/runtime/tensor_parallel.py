@@ -120,7 +120,8 @@ class TensorParallel:
                         total += torch.linalg.vector_norm(view.float()).double() ** 2
             return total.item()
         # stages 1-2: this rank's shard of every bucket, laid out like the flat parameters
-        for bucket, shard in zip(wrapper.buckets, wrapper.grads.flat_grads()):
+        for bucket_index, bucket in enumerate(wrapper.buckets):
+            shard = wrapper.gradient_shard(bucket_index)
             for index, _, _, start, length in bucket.fragments():
                 if id(bucket.params[index]) in replicated:
                     piece = shard[start : start + length].float()

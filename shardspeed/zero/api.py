@@ -124,7 +124,7 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     wrapper, index = owner
     if index is None:
         return None if param.grad is None else param.grad.detach().float().clone()
-    shard = wrapper.grads.flat_grads()[index]
+    shard = wrapper.gradient_shard(index)
     return _param_slice(wrapper, index, param, _full_from_shards(wrapper, index, shard.float()))
 
 

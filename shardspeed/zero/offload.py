@@ -43,7 +43,31 @@ class OptimizerOffload:
         return master
 
 
-class HostGradients:
+class GradientNorms:
+    """Squared norms of the reduced gradient shards, taken as each arrives in the boundary backward, so the
+    step only sums a few numbers. On their own (NVMe optimizer offload) they are all the optimizer keeps of
+    the gradients in memory: the shards themselves are in the swap files."""
+
+    def __init__(self, count: int, device: torch.device):
+        self.device = device
+        self._squared_norms: list[torch.Tensor | None] = [None] * count
+
+    def receive(self, index: int, shard: torch.Tensor) -> None:
+        self._squared_norms[index] = torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
+
+    def squared_norm(self) -> torch.Tensor:
+        """Sum of the received shards' squared norms (a 0-d tensor on the device the shards came from)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for value in self._squared_norms:
+            if value is not None:
+                total += value.to(self.device)
+        return total
+
+    def clear(self) -> None:
+        self._squared_norms = [None] * len(self._squared_norms)
+
+
+class HostGradients(GradientNorms):
     """fp32 host copies of the reduced gradient shards, the optimizer-side inputs of an offloaded step.
 
     Each shard is copied as soon as its reduction completes in the boundary backward (stages 2/3: bucket by
@@ -54,12 +78,11 @@ class HostGradients:
     """
 
     def __init__(self, numels: list[int], host: torch.device, device: torch.device):
-        self.device = device
+        super().__init__(len(numels), device)
         pin = device.type == "cuda"
         # Untouched until a copy lands (a CPU-only fp32 run never copies): empty, not zeros.
         self._buffers = [torch.empty(n, dtype=torch.float32, device=host, pin_memory=pin) for n in numels]
         self.grads: list[torch.Tensor | None] = [None] * len(numels)
-        self._squared_norms: list[torch.Tensor | None] = [None] * len(numels)
 
     def receive(self, index: int, shard: torch.Tensor) -> None:
         """Take bucket `index`'s final reduced gradient shard (call once per boundary backward)."""
@@ -74,17 +97,8 @@ class HostGradients:
             grad.copy_(shard, non_blocking=True)
         # Norm where the data is fastest to read: on the device for a GPU shard, on the fp32 host copy (no
         # up-cast temporary) for a CPU one.
-        source = shard if shard.device.type != "cpu" else grad
-        self._squared_norms[index] = torch.linalg.vector_norm(source, dtype=torch.float32) ** 2
+        super().receive(index, shard if shard.device.type != "cpu" else grad)
         self.grads[index] = grad
-
-    def squared_norm(self) -> torch.Tensor:
-        """Sum of the received shards' squared norms (a 0-d tensor on the device the shards came from)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for value in self._squared_norms:
-            if value is not None:
-                total += value.to(self.device)
-        return total
 
     def take(self) -> list[torch.Tensor]:
         """The host gradients, once every asynchronous copy has landed; the next backward refills them."""
@@ -92,5 +106,5 @@ class HostGradients:
             torch.cuda.current_stream(self.device).synchronize()
         grads = [g if g is not None else torch.zeros_like(b) for g, b in zip(self.grads, self._buffers)]
         self.grads = [None] * len(grads)
-        self._squared_norms = [None] * len(grads)
+        self.clear()
         return grads

@@ -31,7 +31,7 @@ from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.placement import place_optimizer_state
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan, unscaled_in_kernel
 from shardspeed.zero.flat_params import FlatParamBucket
-from shardspeed.zero.offload import HostGradients, OptimizerOffload
+from shardspeed.zero.offload import GradientNorms, HostGradients, OptimizerOffload
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units
 from shardspeed.zero.swap import build_optimizer_swapper
@@ -106,15 +106,28 @@ class ZeroOptimizer(OptimizerWrapper):
             others = [p for p in group_dict["params"] if id(p) not in managed]
             mine = [m for m, b in zip(self.masters, buckets) if b.group_index == group_index]
             group_dict["params"] = mine + others
-        self.host_grads = None
         self._boundary = True
         # One optimizer call per bucket only where it buys something: NVMe (one bucket's state resident) or
         # masters off the device (each bucket's copy back overlaps the next bucket's step).
         self._step_per_bucket = nvme or any(m.device != b.device for m, b in zip(self.masters, buckets))
-        if offload is not None and buckets:
-            self.host_grads = HostGradients([b.shard_numel for b in buckets], offload.host, buckets[0].device)
-            if hasattr(grads, "on_shard_final"):  # stages 2/3: per bucket, during backward
-                grads.on_shard_final = self.host_grads.receive
+        self._route_offloaded_gradients()
+
+    def _route_offloaded_gradients(self) -> None:
+        """Under optimizer offload, where reduced gradient shards go: host copies (`HostGradients`), or at
+        stages 2/3 with NVMe the swap files, with only their norms kept here."""
+        self.host_grads = None
+        self._grads_on_nvme = False
+        if self.offload is None or not self.buckets:
+            return
+        device = self.buckets[0].device
+        if self.nvme is not None and hasattr(self.grads, "shard_sink"):
+            self._grads_on_nvme = True
+            self.grads.shard_sink = self.nvme.accumulate_gradient
+            self.host_grads = GradientNorms(len(self.buckets), device)
+        else:
+            self.host_grads = HostGradients([b.shard_numel for b in self.buckets], self.offload.host, device)
+        if hasattr(self.grads, "on_shard_final"):  # stages 2/3: per bucket, during backward
+            self.grads.on_shard_final = self.host_grads.receive
 
     def _master_for(self, shard: torch.Tensor) -> torch.Tensor:
         # Under NVMe the master is always a copy: it is swapped out between steps, the shard is not.
@@ -127,6 +140,12 @@ class ZeroOptimizer(OptimizerWrapper):
         """A context in which the masters `indices` (default all) and their optimizer state are in memory
         (NVMe offload swaps them out)."""
         return self.nvme.resident(indices) if self.nvme is not None else contextlib.nullcontext()
+
+    def gradient_shard(self, index: int) -> torch.Tensor:
+        """This rank's reduced gradient shard of bucket `index` (a copy read from its file under NVMe)."""
+        if self._grads_on_nvme:
+            return self.nvme.gradient(index, consume=False)
+        return self.grads.flat_grads()[index]
 
     def shard_state(self, index: int) -> dict:
         """The optimizer state of bucket `index`'s shard (a copy read from disk under NVMe offload)."""
@@ -167,7 +186,10 @@ class ZeroOptimizer(OptimizerWrapper):
         return math.sqrt(local.item())
 
     def _apply(self, multiplier: float) -> None:
-        if self.host_grads is not None:
+        if self._grads_on_nvme:
+            self.host_grads.clear()
+            grads = None  # each sub-group's gradient is read with its master and state
+        elif self.host_grads is not None:
             grads = self.host_grads.take()  # host shards: fp32, or a CPU-only 16-bit run's own dtype
         else:
             grads = self.grads.flat_grads()
@@ -184,7 +206,8 @@ class ZeroOptimizer(OptimizerWrapper):
             # goes back to the device while the next one steps; under NVMe only the sub-groups in flight
             # are in memory, and a 16-bit gradient is up-cast one sub-group at a time.
             def step_one(index: int) -> None:
-                grad = grads[index].to(self.masters[index].dtype)
+                grad = self.nvme.gradient(index) if grads is None else grads[index]
+                grad = grad.to(self.masters[index].dtype)
                 with unscaled_in_kernel(self.optimizer, multiplier, [grad]):
                     self.masters[index].grad = grad
                     self.optimizer.step()
@@ -193,7 +216,7 @@ class ZeroOptimizer(OptimizerWrapper):
             if self.nvme is not None:
                 self.nvme.step_each(step_one)
             else:
-                for index in range(len(grads)):
+                for index in range(len(self.masters)):
                     step_one(index)
         self._publish_shards()
 
@@ -231,6 +254,8 @@ class ZeroOptimizer(OptimizerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none
         self.grads.zero()
+        if self._grads_on_nvme:
+            self.nvme.forget_gradients()
 
     def remove_hooks(self) -> None:
         self.grads.remove_hooks()

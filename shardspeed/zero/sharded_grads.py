@@ -8,6 +8,10 @@ persistent shard accumulator. At most `MAX_IN_FLIGHT` staging buffers wait on th
 bounds the transient memory to a few buckets (none wait with `overlap_comm=False`). Reduction happens every
 micro-step, as in DeepSpeed. `use_reduce_scatter=False` (DeepSpeed's `reduce_scatter: false`) all-reduces
 the whole staging buffer and keeps this rank's slice of it.
+
+Under NVMe optimizer offload the accumulator is not in memory either: `shard_sink` (the optimizer swapper)
+adds each reduced slice to the gradient kept in that sub-group's swap file, so the gradients of a model
+larger than memory never exist in memory at once.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ class _Slot:
     def __init__(self, index: int, bucket: FlatParamBucket, accum_dtype: torch.dtype):
         self.index = index
         self.bucket = bucket
-        self.grad_shard = torch.zeros(bucket.shard_numel, dtype=accum_dtype, device=bucket.device)
+        self.accum_dtype = accum_dtype
+        self.grad_shard: torch.Tensor | None = None  # allocated by the first reduction (never, with a sink)
         self.fresh = True  # grad_shard holds nothing of this accumulation window yet
         self.staging: torch.Tensor | None = None
         self.num_ready = 0
@@ -73,6 +78,9 @@ class ShardedGradReducer:
         # optimizer offload: called with (bucket index, gradient shard) as each shard's reduction completes
         # in the backward of an accumulation boundary (`final`), so its copy to the host overlaps the rest
         self.on_shard_final = on_shard_final
+        # NVMe optimizer offload: `shard_sink(index, reduced, scale, fresh)` accumulates reduced slices
+        # where the optimizer keeps them and returns the running sum; no accumulator is kept here then
+        self.shard_sink = None
         self.final = True
         self.world_size = dist.get_world_size(group)
         self.comm_dtype = comm_dtype
@@ -131,9 +139,7 @@ class ShardedGradReducer:
     def _launch(self, slot: _Slot) -> None:
         bucket = slot.bucket
         if slot.staging is None:  # no parameter of this bucket got a gradient on this rank
-            slot.staging = torch.zeros(
-                bucket.padded_numel, dtype=self.comm_dtype, device=slot.grad_shard.device
-            )
+            slot.staging = torch.zeros(bucket.padded_numel, dtype=self.comm_dtype, device=bucket.device)
         elif slot.staging.numel() > bucket.numel or slot.num_ready < len(bucket.params):
             slot.staging[bucket.numel :].zero_()  # padding
             for i in range(len(bucket.params)):
@@ -160,14 +166,18 @@ class ShardedGradReducer:
     def _complete(self, slot: _Slot, own: torch.Tensor, work) -> None:
         work.wait()
         post = 1.0 if self.prescale else self.predivide / self.world_size
-        if slot.fresh:  # the first reduction since zero(): written, so zero() needs no pass over memory
-            torch.mul(own, post, out=slot.grad_shard)
-            slot.fresh = False
+        if self.shard_sink is not None:
+            shard = self.shard_sink(slot.index, own, post, slot.fresh)
+        elif slot.fresh:  # the first reduction since zero(): written, so zero() needs no pass over memory
+            if slot.grad_shard is None:
+                slot.grad_shard = torch.empty(own.numel(), dtype=slot.accum_dtype, device=own.device)
+            shard = torch.mul(own, post, out=slot.grad_shard)
         else:
-            slot.grad_shard.add_(own, alpha=post)
+            shard = slot.grad_shard.add_(own, alpha=post)
+        slot.fresh = False
         slot.staging = None
         if self.final and self.on_shard_final is not None:
-            self.on_shard_final(slot.index, slot.grad_shard)
+            self.on_shard_final(slot.index, shard)
 
     # -- engine-facing -------------------------------------------------------------------------------------
 
@@ -182,8 +192,14 @@ class ShardedGradReducer:
         self._next_launch = 0
 
     def flat_grads(self) -> list[torch.Tensor]:
+        if self.shard_sink is not None:
+            raise RuntimeError("the gradient shards are in NVMe swap files (ZeroOptimizer.gradient_shard)")
         for slot in self.slots:
-            if slot.fresh:  # nothing reduced since zero(): reads as zeros (only outside backward/step)
+            if slot.grad_shard is None:
+                slot.grad_shard = torch.zeros(
+                    slot.bucket.shard_numel, dtype=slot.accum_dtype, device=slot.bucket.device
+                )
+            elif slot.fresh:  # nothing reduced since zero(): reads as zeros (only outside backward/step)
                 slot.grad_shard.zero_()
         return [slot.grad_shard for slot in self.slots]
 

@@ -10,6 +10,11 @@ buffers are dropped once the write lands, so memory holds only the sub-groups in
 - `buffer_count`: at most this many sub-groups are in memory at once (reading, stepping or writing); the
   oldest write is waited for before another read starts. Pipelining needs at least 2.
 
+Gradients (stages 2 and 3) go to the same files: each reduced gradient slice is added to its sub-group's
+gradient file during backward (`accumulate_gradient`: written as is by the first micro-step of an
+accumulation window, read, summed and rewritten by the later ones), and the step reads it with the master
+and the state. So no gradient shard stays in memory between backward and step.
+
 A master that is swapped out keeps its identity (it is the optimizer's key) with empty `.data`. Scalar
 state (Adam's `step`) stays in `optimizer.state`. `resident()` brings every sub-group in for checkpointing
 and the state accessors — the whole optimizer state at once, which a model larger than memory cannot
@@ -30,6 +35,7 @@ from shardspeed.zero.swap.folder import SwapFolder
 __all__ = ["OptimizerSwapper"]
 
 MASTER = "master"
+GRADIENT = "grad"
 
 
 class OptimizerSwapper:
@@ -51,6 +57,8 @@ class OptimizerSwapper:
         self._reads: dict[int, tuple[list[IoRequest], dict[str, torch.Tensor]]] = {}
         self._writes: OrderedDict[int, list[IoRequest]] = OrderedDict()
         self._resident: set[int] = set()
+        self._gradient_dtypes: dict[int, torch.dtype] = {}  # sub-groups with a gradient in their file
+        self._gradients: dict[int, torch.Tensor] = {}  # gradients read in with their sub-group
 
     def adopt(self, master: torch.Tensor) -> None:
         """Take the next master (index = order of adoption) and send it to its file; at most
@@ -75,27 +83,33 @@ class OptimizerSwapper:
 
     # -- one sub-group ------------------------------------------------------------------------------------
 
-    def prefetch(self, index: int) -> None:
-        """Start reading sub-group `index` (no-op if it is in memory or already being read)."""
+    def prefetch(self, index: int, gradient: bool = False) -> None:
+        """Start reading sub-group `index`, with its gradient when asked (no-op if it is in memory or
+        already being read)."""
         if index in self._resident or index in self._reads or index not in self._keys:
             return
         self._wait_writes(index)
         while self._writes and self._in_memory() >= self.buffer_count:
             self._wait_writes(next(iter(self._writes)))
         buffers, requests = {}, []
-        for key, dtype in self._keys[index]:
+        keys = list(self._keys[index])
+        if gradient and index in self._gradient_dtypes:
+            keys.append((GRADIENT, self._gradient_dtypes[index]))
+        for key, dtype in keys:
             buffers[key] = aligned_empty(self.numels[index], dtype, pin=self.pin)
             requests.append(self.io.read(buffers[key], self._file(index, key)))
         self._reads[index] = (requests, buffers)
 
-    def swap_in(self, index: int) -> None:
-        """Sub-group `index`'s master and state in memory (waits for its read)."""
+    def swap_in(self, index: int, gradient: bool = False) -> None:
+        """Sub-group `index`'s master and state (and its gradient, when asked) in memory; waits for the read."""
         if index in self._resident:
             return
-        self.prefetch(index)
+        self.prefetch(index, gradient)
         requests, buffers = self._reads.pop(index)
         for request in requests:
             request.wait()
+        if GRADIENT in buffers:
+            self._gradients[index] = buffers.pop(GRADIENT)
         master = self.masters[index]
         master.data = buffers.pop(MASTER)
         if buffers:
@@ -123,6 +137,56 @@ class OptimizerSwapper:
         if wait:
             self._wait_writes(index)
 
+    # -- gradients ----------------------------------------------------------------------------------------
+
+    def accumulate_gradient(
+        self, index: int, reduced: torch.Tensor, scale: float, fresh: bool
+    ) -> torch.Tensor:
+        """Add `scale * reduced` to sub-group `index`'s gradient file (`fresh`: the first reduction of an
+        accumulation window, written as is). Returns the sum, which stays valid while its write is in flight
+        (the caller takes its norm); at most `buffer_count` sub-groups are in flight."""
+        source = reduced if reduced.device.type == "cpu" else reduced.to("cpu")
+        if fresh:
+            total = aligned_empty(reduced.numel(), source.dtype, pin=self.pin)
+            torch.mul(source, scale, out=total)
+        else:
+            total = self._read_gradient(index, self._gradient_dtypes[index])
+            total.add_(source, alpha=scale)
+        self._gradients.pop(index, None)  # a copy read before this backward is stale now
+        self._gradient_dtypes[index] = total.dtype
+        self._writes.setdefault(index, []).append(self.io.write(total, self._file(index, GRADIENT)))
+        self._writes.move_to_end(index)
+        while len(self._writes) > self.buffer_count:
+            self._wait_writes(next(iter(self._writes)))
+        return total
+
+    def gradient(self, index: int, consume: bool = True) -> torch.Tensor:
+        """Sub-group `index`'s accumulated gradient, read with the sub-group or now (zeros when nothing was
+        reduced since `forget_gradients`). Consumed by the step (the next backward starts a new one); the
+        state accessors read a copy (`consume=False`)."""
+        if not consume:
+            found = self._gradients.get(index)
+            dtype = self._gradient_dtypes.get(index)
+            found = found.clone() if found is not None else None
+        else:
+            dtype = self._gradient_dtypes.pop(index, None)
+            found = self._gradients.pop(index, None)
+        if found is not None:
+            return found
+        if dtype is None:
+            return torch.zeros(self.numels[index], dtype=torch.float32)
+        return self._read_gradient(index, dtype)
+
+    def forget_gradients(self) -> None:
+        """`zero_grad`: the gradients in the files are no longer wanted."""
+        self._gradient_dtypes.clear()
+        self._gradients.clear()
+
+    def _read_gradient(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        self._wait_writes(index)
+        buffer = aligned_empty(self.numels[index], dtype, pin=self.pin)
+        return self.io.read(buffer, self._file(index, GRADIENT)).wait()
+
     def _wait_writes(self, index: int) -> None:
         for request in self._writes.pop(index, []):
             request.wait()
@@ -139,9 +203,9 @@ class OptimizerSwapper:
         as configured."""
         count = len(self.masters)
         for index in range(count):
-            self.swap_in(index)
+            self.swap_in(index, gradient=True)
             if self.pipeline_read and index + 1 < count:
-                self.prefetch(index + 1)
+                self.prefetch(index + 1, gradient=True)
             step_one(index)
             self.swap_out(index, wait=not self.pipeline_write)
         self.drain()
