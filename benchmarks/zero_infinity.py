@@ -2,19 +2,24 @@
 
     python benchmarks/zero_infinity.py --layers 32 --hidden 2560 --steps 3 --nvme-path /tmp/infinity-swap
 
-One process (world 1), bf16 by default (`--dtype fp32`: the fp32 gradient shard alone is 4 bytes per
-parameter of memory). The GPT is built with `zero.Init(remote_device="nvme")`, so no full copy of it ever
-exists; training runs at stage 3 with `offload_param` and `offload_optimizer` both on NVMe. Reported:
+One process (world 1), bf16 parameters, fp32 masters and AdamW. The GPT is built with
+`zero.Init(remote_device="nvme")`, so no full copy of it ever exists; training runs at stage 3 with
+`offload_param` and `offload_optimizer` both on NVMe. Each system runs in its own process (so its peak RSS
+is its own); the same job runs on DeepSpeed 0.19.8 when `--deepspeed-python` can import it (its NVMe path
+needs libaio-dev and the JIT-built async_io and cpu_adam ops). Reported:
 
-- peak RSS (getrusage) against the fp32 training state (16 bytes per parameter);
-- seconds per step, split into I/O (time the training thread waited on file reads/writes) and compute
-  (the rest: forward, backward, the Adam step);
-- bytes moved per step and the throughput that gives, against the disk's own sequential write and read
-  bandwidth measured in the same run with `dd` (O_DIRECT, 16 MiB blocks, 4 GiB);
-- DeepSpeed 0.19.8 on the same job, or the exact error it stops with (`--deepspeed-python`).
+- peak RSS (getrusage) against the training state (bf16 parameters, fp32 masters, Adam moments);
+- seconds per step, split into forward+backward and the optimizer step, and for shardspeed into the time
+  the training thread waited on file I/O and the rest (compute);
+- bytes the process read from and wrote to the disk per step (/proc/self/io: the same measure for both
+  systems) and the throughput that gives, against the disk's own sequential bandwidth measured in the same
+  run with dd (O_DIRECT, 16 MiB blocks), before and after training;
+- shardspeed's I/O path alone (its thread pool writing then reading a file of `--dd-gib` GiB with the run's
+  aio settings), and its disk throughput during training: bytes moved over the wall time during which at
+  least one of its requests was in the kernel.
 
-Writes benchmarks/results/zero_infinity.md and .json. Heavy on disk (16 bytes per parameter) and CPU:
-check `df` first; the swap folder is removed at the end.
+Writes benchmarks/results/zero_infinity.md and .json. Heavy on disk (~20 bytes per parameter for each
+system, one after the other) and CPU: check `df` first; swap folders are removed at the end.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class GPT(nn.Module):
         return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def disk_bandwidth(folder: str, gib: int = 4) -> dict:
+def disk_bandwidth(folder: str, gib: int) -> dict:
     """Sequential write then read of `gib` GiB with dd, O_DIRECT, 16 MiB blocks (the disk's own figure)."""
     path = os.path.join(folder, "dd-probe")
     out = {}
@@ -84,97 +89,148 @@ def disk_bandwidth(folder: str, gib: int = 4) -> dict:
     return out
 
 
-def _ios(engine) -> list:
-    return [engine.optimizer.nvme.io, engine.optimizer.coordinator.tier.io]
+def aio_path_alone(folder: str, gib: int, aio: dict) -> dict:
+    """shardspeed's thread-pool I/O on its own: one `gib`-GiB tensor written to a file, then read back, in
+    256 MiB requests all submitted at once (as the swappers keep several sub-groups in flight)."""
+    from shardspeed.zero.swap.aio import AioSettings, AsyncFileIO, aligned_empty
+
+    settings = AioSettings(block_size=aio["block_size"], queue_depth=aio["queue_depth"],
+                           thread_count=aio["intra_op_parallelism"])  # fmt: skip
+    io = AsyncFileIO(settings)
+    piece = 256 * 2**20
+    buffers = [aligned_empty(piece, torch.uint8) for _ in range(4 * gib)]
+    for b in buffers:
+        b.fill_(7)
+    out = {}
+    for name in ("write", "read"):
+        started = time.perf_counter()
+        requests = [
+            (io.write if name == "write" else io.read)(b, os.path.join(folder, f"aio-probe-{i}"))
+            for i, b in enumerate(buffers)
+        ]
+        for request in requests:
+            request.wait()
+        out[f"{name}_bytes_per_s"] = gib * 2**30 / (time.perf_counter() - started)
+    io.close()
+    for i in range(len(buffers)):
+        os.unlink(os.path.join(folder, f"aio-probe-{i}"))
+    return out
 
 
-def run_shardspeed(args) -> dict:
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    import shardspeed
-
-    swap = args.nvme_path
-    config = {
+def job_config(args, swap: str) -> dict:
+    """The same DeepSpeed config for both systems."""
+    return {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 4},
-        "bf16": {"enabled": args.dtype == "bf16"},
+        "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 4, "single_submit": False,
+                "overlap_events": True},
+        "bf16": {"enabled": True},
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": args.sub_group,
             "reduce_bucket_size": args.sub_group,
             "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 0,
+            "stage3_prefetch_bucket_size": args.sub_group,
+            "stage3_param_persistence_threshold": 100_000,
+            # DeepSpeed needs a buffer to hold the largest parameter (the MLP's 4h x h)
             "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": 4,
-                              "buffer_size": args.sub_group},
+                              "buffer_size": max(args.sub_group, 4 * args.hidden * args.hidden)},
             "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 3,
                                   "pipeline_read": True, "pipeline_write": True},
         },
     }  # fmt: skip
-    torch.manual_seed(0)
-    started = time.perf_counter()
-    with shardspeed.zero.Init(remote_device="nvme", config_dict_or_path=config):
-        model = GPT(args.layers, args.hidden, args.hidden // 128, args.vocab, args.seq)
-    built = time.perf_counter() - started
-    numel = sum(p.ds_numel for p in model.parameters())
-    print(f"built {numel / 1e9:.2f}B parameters in {built:.0f} s, peak RSS {_peak_rss() / 2**30:.2f} GiB")
-    engine, *_ = shardspeed.initialize(model=model, config=config)
-    ready = time.perf_counter() - started
-    tokens = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
-    steps = []
-    for step in range(args.steps):
-        before = [(io.bytes_read, io.bytes_written, io.seconds_waiting) for io in _ios(engine)]
-        t0 = time.perf_counter()
-        loss = engine(tokens)
-        engine.backward(loss)
-        t1 = time.perf_counter()
-        engine.step()
-        t2 = time.perf_counter()
-        after = [(io.bytes_read, io.bytes_written, io.seconds_waiting) for io in _ios(engine)]
-        moved = sum(a[0] - b[0] + a[1] - b[1] for a, b in zip(after, before))
-        waited = sum(a[2] - b[2] for a, b in zip(after, before))
-        row = {"seconds": t2 - t0, "forward_backward": t1 - t0, "optimizer": t2 - t1, "io_wait": waited,
-               "compute": t2 - t0 - waited, "bytes_moved": moved, "loss": loss.item(),
-               "read": sum(a[0] - b[0] for a, b in zip(after, before)),
-               "written": sum(a[1] - b[1] for a, b in zip(after, before))}  # fmt: skip
-        steps.append(row)
-        print(f"step {step}: {row['seconds']:.1f} s (I/O wait {waited:.1f} s), {moved / 2**30:.1f} GiB moved, "
-              f"loss {row['loss']:.4f}, peak RSS {_peak_rss() / 2**30:.2f} GiB", flush=True)  # fmt: skip
-    disk = engine.optimizer.nvme.disk_bytes() + engine.optimizer.coordinator.tier.disk_bytes()
-    engine.destroy()
-    return {"params": numel, "build_seconds": built, "ready_seconds": ready, "steps": steps,
-            "swap_bytes": disk, "peak_rss": _peak_rss()}  # fmt: skip
+
+
+def _disk_io() -> tuple[int, int]:
+    """Bytes this process (all its threads) read from and wrote to storage so far (/proc/self/io)."""
+    values = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, value = line.split(":")
+            values[key] = int(value)
+    return values["read_bytes"], values["write_bytes"]
 
 
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-DEEPSPEED_PROBE = """
-import deepspeed
-from deepspeed.ops.op_builder import AsyncIOBuilder
-builder = AsyncIOBuilder()
-print("compatible:", builder.is_compatible(verbose=True))
-builder.load()
-print("aio loaded")
-"""
+def worker(system: str, args) -> dict:
+    """Build the GPT on NVMe with `system`'s zero.Init, train `args.steps` steps, measure each."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    swap = os.path.join(args.nvme_path, system)
+    os.makedirs(swap, exist_ok=True)
+    config = job_config(args, swap)
+    if system == "deepspeed":
+        import deepspeed as lib
+
+        lib.init_distributed(dist_backend="gloo")
+    else:
+        import shardspeed as lib
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    with lib.zero.Init(remote_device="nvme", config_dict_or_path=config):
+        model = GPT(args.layers, args.hidden, args.hidden // 128, args.vocab, args.seq)
+    built = time.perf_counter() - started
+    built_rss = _peak_rss()
+    numel = sum(p.ds_numel for p in model.parameters())
+    print(f"{system}: built {numel / 1e9:.2f}B parameters in {built:.0f} s, peak RSS {built_rss / 2**30:.2f} GiB",
+          flush=True)  # fmt: skip
+    if system == "deepspeed":
+        engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=config)
+        ios = []
+    else:
+        engine, *_ = lib.initialize(model=model, config=config)
+        ios = [engine.optimizer.nvme.io]  # one pool per rank, shared by both tiers
+    ready = time.perf_counter() - started
+    tokens = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
+    steps = []
+    for step in range(args.steps):
+        counters = [(io.seconds_waiting, io.seconds_busy, io.bytes_read + io.bytes_written) for io in ios]
+        disk = _disk_io()
+        t0 = time.perf_counter()
+        loss = engine(tokens)
+        engine.backward(loss)
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        read, written = (after - before for after, before in zip(_disk_io(), disk))
+        row = {"seconds": t2 - t0, "forward_backward": t1 - t0, "optimizer": t2 - t1, "read": read,
+               "written": written, "loss": loss.item()}  # fmt: skip
+        if ios:
+            (wait0, busy0, moved0), io = counters[0], ios[0]
+            row.update(io_wait=io.seconds_waiting - wait0, io_busy=io.seconds_busy - busy0,
+                       requested=io.bytes_read + io.bytes_written - moved0)  # fmt: skip
+            row["compute"] = row["seconds"] - row["io_wait"]
+        steps.append(row)
+        print(f"{system} step {step}: {row['seconds']:.1f} s (forward+backward {row['forward_backward']:.1f}, "
+              f"step {row['optimizer']:.1f}), read {read / 2**30:.1f} GiB, wrote {written / 2**30:.1f} GiB, "
+              f"loss {row['loss']:.4f}, peak RSS {_peak_rss() / 2**30:.2f} GiB", flush=True)  # fmt: skip
+    swap_bytes = sum(f.stat().st_size for f in Path(swap).rglob("*") if f.is_file())
+    if system == "shardspeed":
+        engine.destroy()
+    return {"params": numel, "build_seconds": built, "build_peak_rss": built_rss, "ready_seconds": ready,
+            "steps": steps, "swap_bytes": swap_bytes, "peak_rss": _peak_rss()}  # fmt: skip
 
 
-def run_deepspeed(python: str) -> dict:
-    """DeepSpeed's NVMe path needs its async_io op (libaio + JIT build): try to load it, record the outcome."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
+def run_worker(python: str, system: str, args, timeout: float) -> dict:
+    """One system's job in its own process; its JSON result, or how it ended."""
+    out = Path(args.nvme_path) / f"{system}.json"
+    command = [python, __file__, "--worker", system, "--result", str(out)]
+    command += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                if k in ("layers", "hidden", "vocab", "seq", "steps", "sub_group", "nvme_path")]  # fmt: skip
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
     try:
-        done = subprocess.run([python, "-c", DEEPSPEED_PROBE], capture_output=True, text=True, env=env,
-                              timeout=1800)  # fmt: skip
-    except subprocess.TimeoutExpired as error:  # its JIT build on a loaded 2-core machine
-        output = (error.stdout or b"") + (error.stderr or b"")
-        text = output.decode(errors="replace") if isinstance(output, bytes) else output
-        return {
-            "returncode": None,
-            "output_tail": [*text.strip().splitlines()[-10:], "timed out after 1800 s"],
-        }
-    tail = (done.stdout + done.stderr).strip().splitlines()[-12:]
-    return {"returncode": done.returncode, "output_tail": tail}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        text = error.stdout or ""
+        text = text.decode(errors="replace") if isinstance(text, bytes) else text
+        return {"error": [*text.strip().splitlines()[-8:], f"stopped after the {timeout:.0f} s limit"]}
+    print(done.stdout, flush=True)
+    if done.returncode != 0 or not out.exists():
+        return {"error": (done.stdout + done.stderr).strip().splitlines()[-12:]}
+    return json.loads(out.read_text())
 
 
 def _load() -> str:
@@ -189,23 +245,29 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--sub-group", type=int, default=50_000_000)
+    parser.add_argument("--sub-group", type=int, default=20_000_000)
     parser.add_argument("--nvme-path", default="/tmp/infinity-swap")
     parser.add_argument("--dd-gib", type=int, default=4)
     parser.add_argument("--deepspeed-python", default="/work/benchvenv/bin/python")
+    parser.add_argument("--deepspeed-timeout", type=float, default=3600)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--worker", choices=["shardspeed", "deepspeed"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        Path(args.result).write_text(json.dumps(worker(args.worker, args)))
+        return
     os.makedirs(args.nvme_path, exist_ok=True)
     result = {"load_before": _load(), "cores": os.cpu_count(),
               "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30}  # fmt: skip
     result["disk"] = disk_bandwidth(args.nvme_path, args.dd_gib)
-    print("disk:", {k: f"{v / 2**20:.0f} MiB/s" for k, v in result["disk"].items()}, flush=True)
-    result["shardspeed"] = run_shardspeed(args)
+    result["aio_alone"] = aio_path_alone(args.nvme_path, args.dd_gib, job_config(args, "")["aio"])
+    print("disk:", result["disk"], "aio alone:", result["aio_alone"], flush=True)
+    result["shardspeed"] = run_worker(sys.executable, "shardspeed", args, timeout=7200)
+    if args.deepspeed_python and os.path.exists(args.deepspeed_python):
+        result["deepspeed"] = run_worker(args.deepspeed_python, "deepspeed", args, args.deepspeed_timeout)
     result["disk_after"] = disk_bandwidth(args.nvme_path, args.dd_gib)
     result["load_after"] = _load()
-    if args.deepspeed_python and os.path.exists(args.deepspeed_python):
-        result["deepspeed"] = run_deepspeed(args.deepspeed_python)
     shutil.rmtree(args.nvme_path, ignore_errors=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,54 +276,93 @@ def main() -> None:
     print(report(result, args))
 
 
-def report(result: dict, args) -> str:
-    ours = result["shardspeed"]
-    disk = result["disk"]
-    both = {k: (disk[k] + result["disk_after"][k]) / 2 for k in disk}
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _disk_seconds(step: dict, disk: dict) -> float:
+    """How long the disk needs for this step's reads and writes at its own sequential (dd) speeds."""
+    return step["read"] / disk["read_bytes_per_s"] + step["written"] / disk["write_bytes_per_s"]
+
+
+def _system_rows(name: str, r: dict, disk: dict, ours: bool) -> list[str]:
     rows = []
-    for i, s in enumerate(ours["steps"]):
-        rate = s["bytes_moved"] / s["seconds"]
-        rows.append(f"| {i} | {s['seconds']:.1f} | {s['compute']:.1f} | {s['io_wait']:.1f} | "
-                    f"{s['read'] / 2**30:.1f} / {s['written'] / 2**30:.1f} | {rate / 2**20:.0f} |")  # fmt: skip
+    for i, s in enumerate(r["steps"]):
+        share = 100 * _disk_seconds(s, disk) / s["seconds"]
+        cells = [f"{name} {i}", f"{s['seconds']:.1f}", f"{s['forward_backward']:.1f}", f"{s['optimizer']:.1f}",
+                 f"{_gib(s['read'])} / {_gib(s['written'])}", f"{share:.0f}%"]  # fmt: skip
+        if ours:
+            busy = 100 * _disk_seconds(s, disk) / s["io_busy"] if s["io_busy"] else float("nan")
+            cells += [f"{s['io_wait']:.1f}", f"{s['compute']:.1f}", f"{s['io_busy']:.1f}", f"{busy:.0f}%"]
+        else:
+            cells += ["", "", "", ""]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def report(result: dict, args) -> str:
+    ours, ds = result["shardspeed"], result.get("deepspeed")
+    disk = {k: (result["disk"][k] + result["disk_after"][k]) / 2 for k in result["disk"]}
+    alone = result["aio_alone"]
+    lines = [
+        f"# ZeRO-Infinity: a GPT larger than memory on one {result['cores']}-core, "
+        f"{result['memory_gib']:.0f} GiB machine",
+        "",
+        f"`python benchmarks/zero_infinity.py --layers {args.layers} --hidden {args.hidden} --steps {args.steps} "
+        f"--sub-group {args.sub_group}` (world 1, bf16 parameters, fp32 masters and AdamW, stage 3, parameters "
+        f"and optimizer on NVMe with `max_in_cpu` 0, sequence {args.seq}, micro-batch 1; built with "
+        f'`zero.Init(remote_device="nvme")`). Load average {result["load_before"]} before, '
+        f"{result['load_after']} after.",
+        "",
+        "Disk (dd, O_DIRECT, 16 MiB blocks, mean of before and after training): write "
+        f"{disk['write_bytes_per_s'] / 2**20:.0f} MiB/s, read {disk['read_bytes_per_s'] / 2**20:.0f} MiB/s. "
+        f"shardspeed's I/O path alone (its thread pool, the run's aio settings, {args.dd_gib} GiB): write "
+        f"{alone['write_bytes_per_s'] / 2**20:.0f} MiB/s "
+        f"({100 * alone['write_bytes_per_s'] / result['disk']['write_bytes_per_s']:.0f}% of dd before training), "
+        f"read {alone['read_bytes_per_s'] / 2**20:.0f} MiB/s "
+        f"({100 * alone['read_bytes_per_s'] / result['disk']['read_bytes_per_s']:.0f}%).",
+        "",
+        "| system | parameters | training state | swap files | built in | peak RSS building | peak RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in (("shardspeed", ours), ("DeepSpeed 0.19.8", ds)):
+        if r is None or "error" in r:
+            continue
+        state = 14 * r["params"]  # bf16 parameter 2 + fp32 master 4 + Adam moments 8
+        lines.append(f"| {name} | {r['params'] / 1e9:.2f} B | {_gib(state)} GiB | {_gib(r['swap_bytes'])} GiB | "
+                     f"{r['build_seconds']:.0f} s | {_gib(r['build_peak_rss'])} GiB | "
+                     f"**{r['peak_rss'] / 2**30:.2f} GiB** |")  # fmt: skip
+    lines += [
+        "",
+        "Per step: seconds; bytes the process read/wrote on the disk (/proc/self/io); *disk share* = the time "
+        "the disk needs for those bytes at its dd speeds over the step's time. shardspeed also reports the time "
+        "the training thread waited on I/O, the rest (compute), the wall time during which its I/O was in the "
+        "kernel (*I/O busy*), and the disk share over that busy time: how close to the disk's bandwidth the "
+        "I/O ran while it ran.",
+        "",
+        "| step | seconds | forward+backward | optimizer | GiB read / written | disk share of step | I/O wait "
+        "| compute | I/O busy | disk share while busy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *_system_rows("shardspeed", ours, disk, ours=True),
+    ]
+    if ds is not None and "error" not in ds:
+        lines += _system_rows("DeepSpeed", ds, disk, ours=False)
     steady = ours["steps"][1:] or ours["steps"]
-    reads = sum(s["read"] for s in steady)
-    writes = sum(s["written"] for s in steady)
-    secs = sum(s["seconds"] for s in steady)
-    # what the disk could do for this mix of reads and writes, at its own sequential speeds
-    floor = reads / both["read_bytes_per_s"] + writes / both["write_bytes_per_s"]
-    grad = 2 if args.dtype == "bf16" else 4
-    state = grad + 12
-    ds = result.get("deepspeed")
-    ds_text = "not run" if ds is None else (
-        "its async_io op loaded" if ds["returncode"] == 0 else "it stopped with:\n\n```\n"
-        + "\n".join(ds["output_tail"]) + "\n```"
-    )  # fmt: skip
-    return f"""# ZeRO-Infinity: a {ours["params"] / 1e9:.2f}B-parameter GPT on one {result["cores"]}-core machine
-
-`python benchmarks/zero_infinity.py --layers {args.layers} --hidden {args.hidden} --steps {args.steps} \
---sub-group {args.sub_group} --dtype {args.dtype}` (world 1, stage 3, parameters and optimizer on NVMe,
-sequence {args.seq}).
-Machine: {result["cores"]} cores, {result["memory_gib"]:.0f} GiB RAM, shared with other users' jobs (load
-average {result["load_before"]} before, {result["load_after"]} after): timings are noisy.
-
-- Training state ({args.dtype} parameters, fp32 masters, Adam moments): {state * ours["params"] / 2**30:.1f} GiB; swap files
-  at the end: {ours["swap_bytes"] / 2**30:.1f} GiB.
-- Peak RSS: **{ours["peak_rss"] / 2**30:.2f} GiB** (target < 12 GiB); it includes the {args.dtype} gradient
-  shard ({grad * ours["params"] / 2**30:.1f} GiB), which stays in memory between backward and step.
-- Built with zero.Init in {ours["build_seconds"]:.0f} s; engine ready after {ours["ready_seconds"]:.0f} s.
-- Disk (dd, O_DIRECT, 16 MiB blocks, mean of before/after): write {both["write_bytes_per_s"] / 2**20:.0f} MiB/s,
-  read {both["read_bytes_per_s"] / 2**20:.0f} MiB/s.
-
-| step | seconds | compute | I/O wait | GiB read / written | MiB/s moved |
-|---|---|---|---|---|---|
-{chr(10).join(rows)}
-
-Steps after the first: {(reads + writes) / 2**30:.1f} GiB moved in {secs:.0f} s. Moving that at the disk's own
-sequential speeds would take {floor:.0f} s, so the I/O ran at **{100 * floor / secs:.0f}%** of the disk's
-bandwidth over the whole step (compute included), and the I/O wait is the part of the step not overlapped.
-
-DeepSpeed 0.19.8 (`/work/benchvenv`, CPU accelerator): {ds_text}
-"""
+    need = sum(_disk_seconds(s, disk) for s in steady)
+    busy = sum(s["io_busy"] for s in steady)
+    total = sum(s["seconds"] for s in steady)
+    lines += [
+        "",
+        f"shardspeed, steps after the first: the disk needs {need:.0f} s at its dd speeds for what they moved; "
+        f"their I/O was in flight for {busy:.0f} s (**{100 * need / busy:.0f}%** of the disk's bandwidth while "
+        f"busy) of {total:.0f} s ({100 * need / total:.0f}% over the whole step, compute included).",
+        "",
+    ]
+    if ds is None:
+        lines.append("DeepSpeed 0.19.8: not run (no `--deepspeed-python`).")
+    elif "error" in ds:
+        lines += ["DeepSpeed 0.19.8 on the same job stopped with:", "", "```", *ds["error"], "```"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ class ZeroOptimizer(OptimizerWrapper):
         self.nvme = None
         if nvme:
             numels = [b.shard_numel for b in buckets]
-            self.nvme = build_optimizer_swapper(optimizer, numels, offload, dist.get_rank(group))
+            shared_io = getattr(getattr(coordinator, "tier", None), "io", None)  # parameter offload's pool
+            self.nvme = build_optimizer_swapper(optimizer, numels, offload, dist.get_rank(group), shared_io)
         self.masters = []
         for bucket in buckets:
             master = self._master_for(bucket.read_shard() if stage == 3 else bucket.shard)

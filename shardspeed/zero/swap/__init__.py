@@ -21,15 +21,17 @@ __all__ = [
 OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
-def build_optimizer_swapper(optimizer, numels: list[int], offload, rank: int) -> OptimizerSwapper:
+def build_optimizer_swapper(optimizer, numels: list[int], offload, rank: int,
+                            io: AsyncFileIO | None = None) -> OptimizerSwapper:  # fmt: skip
     """The NVMe optimizer tier for masters of `numels` elements (handed over with `adopt`): its folder is
-    checked for room for each master and two same-sized state tensors (Adam's moments) in fp32, 12 bytes
-    per element."""
-    folder = SwapFolder(offload.nvme_path, "optimizer", rank, 12 * sum(numels), OPTIMIZER_KEY)
+    checked for room for each master, two same-sized state tensors (Adam's moments) and the gradient, in
+    fp32: 16 bytes per element. `io`: the parameter tier's I/O pool, shared so that one rank's requests
+    share one queue (`aio.queue_depth`)."""
+    folder = SwapFolder(offload.nvme_path, "optimizer", rank, 16 * sum(numels), OPTIMIZER_KEY)
     return OptimizerSwapper(
         optimizer,
         folder,
-        AsyncFileIO(offload.aio),
+        io if io is not None else AsyncFileIO(offload.aio),
         buffer_count=offload.buffer_count,
         pipeline_read=offload.pipeline_read,
         pipeline_write=offload.pipeline_write,

@@ -119,7 +119,11 @@ class AsyncFileIO:
         self._slots = threading.BoundedSemaphore(self.settings.queue_depth)
         self.bytes_read = 0
         self.bytes_written = 0
-        self.seconds_waiting = 0.0
+        self.seconds_waiting = 0.0  # callers blocked in wait()
+        self.seconds_busy = 0.0  # wall time with at least one piece in the kernel (disk throughput = bytes / this)
+        self._active = 0
+        self._busy_since = 0.0
+        self._busy_lock = threading.Lock()
 
     # -- public API -----------------------------------------------------------------------------------------
 
@@ -154,6 +158,7 @@ class AsyncFileIO:
         def run_piece(start: int, end: int) -> None:
             aligned = (address + start) % ALIGNMENT == 0 and (end - start) % ALIGNMENT == 0
             fd = direct if direct is not None and aligned else plain
+            self._piece_started()
             try:
                 try:
                     _transfer(fd, view[start:end], start, writing)
@@ -162,6 +167,7 @@ class AsyncFileIO:
                         raise
                     _transfer(plain, view[start:end], start, writing)  # O_DIRECT opened but refused
             finally:
+                self._piece_finished()
                 self._slots.release()
 
         if self.settings.single_submit:
@@ -186,6 +192,19 @@ class AsyncFileIO:
         if not self.settings.overlap_events:
             request.wait()
         return request
+
+
+    def _piece_started(self) -> None:
+        with self._busy_lock:
+            if self._active == 0:
+                self._busy_since = time.perf_counter()
+            self._active += 1
+
+    def _piece_finished(self) -> None:
+        with self._busy_lock:
+            self._active -= 1
+            if self._active == 0:
+                self.seconds_busy += time.perf_counter() - self._busy_since
 
 
 def _open_direct(path: str, flags: int) -> int | None:

@@ -231,6 +231,7 @@ class OptimizerSwapper:
 
     def close(self) -> None:
         self.drain()
+        self.io.close()  # its threads end (a pool shared with the parameter tier may be closed twice)
         self.folder_files.close()
 
 
