@@ -13,8 +13,9 @@ needs libaio-dev and the JIT-built async_io and cpu_adam ops). Reported:
   the training thread waited on file I/O and the rest (compute);
 - bytes the process read from and wrote to the disk per step (/proc/self/io: the same measure for both
   systems) and the throughput that gives, against the disk's own sequential bandwidth measured in the same
-  run with dd (O_DIRECT, 16 MiB blocks), before and after training;
-- shardspeed's I/O path alone (its thread pool writing then reading a file of `--dd-gib` GiB with the run's
+  run, before and after training, with fio (`apt-get install fio`; O_DIRECT, the better of 1 MiB requests
+  16 deep and 16 MiB requests one at a time) or, without fio, dd (16 MiB blocks);
+- shardspeed's I/O path alone (its thread pool writing then reading a file of `--probe-gib` GiB with the run's
   aio settings), and its disk throughput during training: bytes moved over the wall time during which at
   least one of its requests was in the kernel.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -75,16 +75,30 @@ class GPT(nn.Module):
 
 
 def disk_bandwidth(folder: str, gib: int) -> dict:
-    """Sequential write then read of `gib` GiB with dd, O_DIRECT, 16 MiB blocks (the disk's own figure)."""
-    path = os.path.join(folder, "dd-probe")
-    out = {}
-    for name, args in (
-        ("write", ["if=/dev/zero", f"of={path}", "oflag=direct"]),
-        ("read", [f"if={path}", "of=/dev/null", "iflag=direct"]),
-    ):
-        started = time.perf_counter()
-        subprocess.run(["dd", *args, "bs=16M", f"count={gib * 64}"], check=True, capture_output=True)
-        out[f"{name}_bytes_per_s"] = gib * 2**30 / (time.perf_counter() - started)
+    """The disk's own sequential write and read bandwidth on `gib` GiB, O_DIRECT: with fio, the better of
+    two patterns per direction (1 MiB requests 16 deep through libaio, and 16 MiB requests one at a time);
+    with dd (16 MiB blocks, one at a time) where fio is not installed."""
+    path = os.path.join(folder, "disk-probe")
+    out: dict = {"tool": "fio" if shutil.which("fio") else "dd"}
+    for name in ("write", "read"):
+        rates = {}
+        if out["tool"] == "fio":
+            for pattern, options in (("1M x16 libaio", ["--bs=1M", "--iodepth=16", "--ioengine=libaio"]),
+                                     ("16M x1 psync", ["--bs=16M", "--iodepth=1", "--ioengine=psync"])):  # fmt: skip
+                done = subprocess.run(
+                    ["fio", "--name=probe", f"--filename={path}", f"--size={gib}G", f"--rw={name}", "--direct=1",
+                     "--output-format=json", *options],
+                    check=True, capture_output=True, text=True,
+                )  # fmt: skip
+                rates[pattern] = json.loads(done.stdout)["jobs"][0][name]["bw_bytes"]
+        else:
+            args = ["if=/dev/zero", f"of={path}", "oflag=direct"] if name == "write" else [
+                f"if={path}", "of=/dev/null", "iflag=direct"]  # fmt: skip
+            started = time.perf_counter()
+            subprocess.run(["dd", *args, "bs=16M", f"count={gib * 64}"], check=True, capture_output=True)
+            rates["16M x1 dd"] = gib * 2**30 / (time.perf_counter() - started)
+        out[f"{name}_patterns"] = rates
+        out[f"{name}_bytes_per_s"] = max(rates.values())
     os.unlink(path)
     return out
 
@@ -117,8 +131,10 @@ def aio_path_alone(folder: str, gib: int, aio: dict) -> dict:
     return out
 
 
-def job_config(args, swap: str) -> dict:
-    """The same DeepSpeed config for both systems."""
+def job_config(args, swap: str, system: str = "shardspeed") -> dict:
+    """The same DeepSpeed config for both systems, but for one key whose unit differs: the optimizer's
+    `buffer_count` counts sub-groups in memory here and pinned buffers (one per tensor: master, two moments,
+    gradient) in DeepSpeed, so 3 sub-groups in flight are 3 here and 12 there."""
     return {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -132,10 +148,10 @@ def job_config(args, swap: str) -> dict:
             "stage3_max_reuse_distance": 0,
             "stage3_prefetch_bucket_size": args.sub_group,
             "stage3_param_persistence_threshold": 100_000,
-            # DeepSpeed needs a buffer to hold the largest parameter (the MLP's 4h x h)
+            # DeepSpeed needs a buffer to hold the largest parameter (the MLP's 4h x h or the embedding)
             "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": 4,
-                              "buffer_size": max(args.sub_group, 4 * args.hidden * args.hidden)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 3,
+                              "buffer_size": max(args.sub_group, 4 * args.hidden**2, args.vocab * args.hidden)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 12 if system == "deepspeed" else 3,
                                   "pipeline_read": True, "pipeline_write": True},
         },
     }  # fmt: skip
@@ -152,7 +168,11 @@ def _disk_io() -> tuple[int, int]:
 
 
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set (VmHWM: unlike getrusage's ru_maxrss, not inherited from the
+    process that started it)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def worker(system: str, args) -> dict:
@@ -161,7 +181,7 @@ def worker(system: str, args) -> dict:
     os.environ.setdefault("MASTER_PORT", "29571")
     swap = os.path.join(args.nvme_path, system)
     os.makedirs(swap, exist_ok=True)
-    config = job_config(args, swap)
+    config = job_config(args, swap, system)
     if system == "deepspeed":
         import deepspeed as lib
 
@@ -247,7 +267,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sub-group", type=int, default=20_000_000)
     parser.add_argument("--nvme-path", default="/tmp/infinity-swap")
-    parser.add_argument("--dd-gib", type=int, default=4)
+    parser.add_argument("--probe-gib", type=int, default=4)
     parser.add_argument("--deepspeed-python", default="/work/benchvenv/bin/python")
     parser.add_argument("--deepspeed-timeout", type=float, default=3600)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -260,13 +280,13 @@ def main() -> None:
     os.makedirs(args.nvme_path, exist_ok=True)
     result = {"load_before": _load(), "cores": os.cpu_count(),
               "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30}  # fmt: skip
-    result["disk"] = disk_bandwidth(args.nvme_path, args.dd_gib)
-    result["aio_alone"] = aio_path_alone(args.nvme_path, args.dd_gib, job_config(args, "")["aio"])
+    result["disk"] = disk_bandwidth(args.nvme_path, args.probe_gib)
+    result["aio_alone"] = aio_path_alone(args.nvme_path, args.probe_gib, job_config(args, "")["aio"])
     print("disk:", result["disk"], "aio alone:", result["aio_alone"], flush=True)
     result["shardspeed"] = run_worker(sys.executable, "shardspeed", args, timeout=7200)
     if args.deepspeed_python and os.path.exists(args.deepspeed_python):
         result["deepspeed"] = run_worker(args.deepspeed_python, "deepspeed", args, args.deepspeed_timeout)
-    result["disk_after"] = disk_bandwidth(args.nvme_path, args.dd_gib)
+    result["disk_after"] = disk_bandwidth(args.nvme_path, args.probe_gib)
     result["load_after"] = _load()
     shutil.rmtree(args.nvme_path, ignore_errors=True)
     out = Path(args.out)
@@ -281,7 +301,7 @@ def _gib(n: float) -> str:
 
 
 def _disk_seconds(step: dict, disk: dict) -> float:
-    """How long the disk needs for this step's reads and writes at its own sequential (dd) speeds."""
+    """How long the disk needs for this step's reads and writes at its own sequential speeds."""
     return step["read"] / disk["read_bytes_per_s"] + step["written"] / disk["write_bytes_per_s"]
 
 
@@ -302,7 +322,10 @@ def _system_rows(name: str, r: dict, disk: dict, ours: bool) -> list[str]:
 
 def report(result: dict, args) -> str:
     ours, ds = result["shardspeed"], result.get("deepspeed")
-    disk = {k: (result["disk"][k] + result["disk_after"][k]) / 2 for k in result["disk"]}
+    disk = {
+        k: (result["disk"][k] + result["disk_after"][k]) / 2
+        for k in ("write_bytes_per_s", "read_bytes_per_s")
+    }
     alone = result["aio_alone"]
     lines = [
         f"# ZeRO-Infinity: a GPT larger than memory on one {result['cores']}-core, "
@@ -314,13 +337,22 @@ def report(result: dict, args) -> str:
         f'`zero.Init(remote_device="nvme")`). Load average {result["load_before"]} before, '
         f"{result['load_after']} after.",
         "",
-        "Disk (dd, O_DIRECT, 16 MiB blocks, mean of before and after training): write "
+        f"Disk ({result['disk']['tool']}, O_DIRECT, the better pattern, mean of before and after training): write "
         f"{disk['write_bytes_per_s'] / 2**20:.0f} MiB/s, read {disk['read_bytes_per_s'] / 2**20:.0f} MiB/s. "
-        f"shardspeed's I/O path alone (its thread pool, the run's aio settings, {args.dd_gib} GiB): write "
+        f"shardspeed's I/O path alone (its thread pool, the run's aio settings, {args.probe_gib} GiB): write "
         f"{alone['write_bytes_per_s'] / 2**20:.0f} MiB/s "
-        f"({100 * alone['write_bytes_per_s'] / result['disk']['write_bytes_per_s']:.0f}% of dd before training), "
+        f"({100 * alone['write_bytes_per_s'] / result['disk']['write_bytes_per_s']:.0f}% of the disk before training), "
         f"read {alone['read_bytes_per_s'] / 2**20:.0f} MiB/s "
         f"({100 * alone['read_bytes_per_s'] / result['disk']['read_bytes_per_s']:.0f}%).",
+        "",
+        "Disk patterns (MiB/s, before / after training): "
+        + "; ".join(
+            f"{d} {pattern} {result['disk'][f'{d}_patterns'][pattern] / 2**20:.0f} / "
+            f"{result['disk_after'][f'{d}_patterns'][pattern] / 2**20:.0f}"
+            for d in ("write", "read")
+            for pattern in result["disk"][f"{d}_patterns"]
+        )
+        + ".",
         "",
         "| system | parameters | training state | swap files | built in | peak RSS building | peak RSS |",
         "|---|---|---|---|---|---|---|",
@@ -335,7 +367,7 @@ def report(result: dict, args) -> str:
     lines += [
         "",
         "Per step: seconds; bytes the process read/wrote on the disk (/proc/self/io); *disk share* = the time "
-        "the disk needs for those bytes at its dd speeds over the step's time. shardspeed also reports the time "
+        "the disk needs for those bytes at its own speeds over the step's time. shardspeed also reports the time "
         "the training thread waited on I/O, the rest (compute), the wall time during which its I/O was in the "
         "kernel (*I/O busy*), and the disk share over that busy time: how close to the disk's bandwidth the "
         "I/O ran while it ran.",
@@ -353,7 +385,7 @@ def report(result: dict, args) -> str:
     total = sum(s["seconds"] for s in steady)
     lines += [
         "",
-        f"shardspeed, steps after the first: the disk needs {need:.0f} s at its dd speeds for what they moved; "
+        f"shardspeed, steps after the first: the disk needs {need:.0f} s at its own speeds for what they moved; "
         f"their I/O was in flight for {busy:.0f} s (**{100 * need / busy:.0f}%** of the disk's bandwidth while "
         f"busy) of {total:.0f} s ({100 * need / total:.0f}% over the whole step, compute included).",
         "",
