@@ -280,29 +280,31 @@ class ZeroOptimizer(OptimizerWrapper):
         return refresh
 
     def refresh_masters_from_module(self) -> None:
-        with self._resident_state():
-            for master, bucket in zip(self.masters, self.buckets):
-                if master is not bucket.shard:
+        for index, (master, bucket) in enumerate(zip(self.masters, self.buckets)):
+            if master is not bucket.shard:
+                with self._resident_state([index]):  # NVMe: one sub-group in memory at a time
                     master.copy_(bucket.shard)
 
     # -- state: this rank's shards plus the layout needed to find every parameter in them -----------------
 
     def state_dict(self) -> dict:
-        with self._resident_state():
-            return self._state_dict()
-
-    def _state_dict(self) -> dict:
+        """This rank's shards and their state. Under NVMe offload nothing is brought into memory: swapped
+        sub-groups appear as read-only mappings of their files, which torch.save then streams to disk."""
+        if self.nvme is not None:
+            mapped = [self.nvme.mapped(index) for index in range(len(self.masters))]
+            masters, states = [m for m, _ in mapped], [s for _, s in mapped]
+        else:
+            # clone: in fp32 a master is a view into the whole bucket, and torch.save writes whole storages
+            masters = [m.clone() if m._base is not None else m for m in self.masters]
+            states = [dict(self.optimizer.state.get(m, {})) for m in self.masters]
         inner = self.optimizer.state_dict()
         return {
             "zero_stage": self.zero_stage,
             "world_size": dist.get_world_size(self.group),
             "rank": dist.get_rank(self.group),
             "buckets": [b.layout() for b in self.buckets],
-            # clone: in fp32 a master is a view into the whole bucket, and torch.save writes whole storages;
-            # under NVMe offload the masters are emptied again when the resident context ends
-            "fp32_shards": [m.clone() if m._base is not None or self.nvme else m for m in self.masters],
-            # copies: under NVMe offload the resident tensors are dropped again when the context ends
-            "optimizer_states": [dict(self.optimizer.state.get(m, {})) for m in self.masters],
+            "fp32_shards": masters,
+            "optimizer_states": states,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]],
             "loss_scaler": self.scaler.state_dict(),
             # Stage 3 parameters outside the optimizer (frozen) exist only as shards too: save them here.
@@ -316,33 +318,29 @@ class ZeroOptimizer(OptimizerWrapper):
         return [u for u in self.coordinator.units if u.group_index is None]
 
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
-        """Restore this rank's shards; with `load_optimizer_states=False` only the fp32 weights."""
+        """Restore this rank's shards; with `load_optimizer_states=False` only the fp32 weights. Sub-group by
+        sub-group: under NVMe offload one is in memory at a time (and a memory-mapped checkpoint is read as
+        it is copied)."""
         if [b.layout() for b in self.buckets] != state["buckets"]:
             raise ValueError("the saved ZeRO partition layout differs from this engine's")
-        with self._resident_state():
-            for master, saved, bucket in zip(self.masters, state["fp32_shards"], self.buckets):
-                master.copy_(saved)
-                if master is not bucket.shard:
-                    bucket.shard.copy_(master)
         frozen = self._frozen_units()
         if [u.layout() for u in frozen] != state.get("frozen_buckets", []):
             raise ValueError("the saved frozen-parameter partition layout differs from this engine's")
+        group_of = {id(m): g for g in self.optimizer.param_groups for m in g["params"]}
+        for index, master in enumerate(self.masters):
+            with self._resident_state([index]):
+                master.copy_(state["fp32_shards"][index])
+                if load_optimizer_states:
+                    saved = state["optimizer_states"][index]
+                    self.optimizer.state[master] = place_optimizer_state(saved, master, group_of[id(master)])
+                self._bucket_stepped(index)  # the shard takes the master's value (stage 3: written home)
         for unit, saved in zip(frozen, state.get("frozen_shards", [])):
             unit.shard.copy_(saved)
-        if not load_optimizer_states:
-            self._publish_shards()
-            return
-        with self._resident_state():  # replaced below; swapped out again on exit
-            self._load_optimizer_states(state)
+        if load_optimizer_states:
+            for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+                group.update(saved)
+            self.scaler.load_state_dict(state["loss_scaler"])
         self._publish_shards()
-
-    def _load_optimizer_states(self, state: dict) -> None:
-        group_of = {id(m): g for g in self.optimizer.param_groups for m in g["params"]}
-        for master, saved in zip(self.masters, state["optimizer_states"]):
-            self.optimizer.state[master] = place_optimizer_state(saved, master, group_of[id(master)])
-        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
-            group.update(saved)
-        self.scaler.load_state_dict(state["loss_scaler"])
 
     # -- resharding: this rank's shards assembled by name from a checkpoint of any stage and world size -----
 
@@ -356,8 +354,7 @@ class ZeroOptimizer(OptimizerWrapper):
         restored (the engine restores the other parameters).
         """
         with_state = load_optimizer_states and reader.has_optimizer_state
-        with self._resident_state():
-            restored = self._load_universal(reader, with_state)
+        restored = self._load_universal(reader, with_state)
         if self.coordinator is not None:
             self.coordinator.after_step()  # persistent units re-gather their new values
         return restored
@@ -367,12 +364,13 @@ class ZeroOptimizer(OptimizerWrapper):
 
         restored: set[str] = set()
         for index, bucket in enumerate(self.buckets):
-            if self.zero_stage == 3:
-                self._assemble_shard(index, reader)
-            else:
-                self._assemble_full(index, reader)
-            if with_state:
-                self._assemble_state(index, reader)
+            with self._resident_state([index]):  # NVMe: one sub-group in memory at a time
+                if self.zero_stage == 3:
+                    self._assemble_shard(index, reader)
+                else:
+                    self._assemble_full(index, reader)
+                if with_state:
+                    self._assemble_state(index, reader)
             restored.update(bucket.names)
         for unit in self._frozen_units():
             unit.shard.zero_()
@@ -408,8 +406,8 @@ class ZeroOptimizer(OptimizerWrapper):
         master.zero_()
         for _, name, in_param, in_shard, length in bucket.fragments():
             master[in_shard : in_shard + length].copy_(reader.fp32_slice(name, in_param, in_param + length))
-        if master is not bucket.shard:
-            bucket.shard.copy_(master)
+        bucket.replace_shard(master)
+        bucket.evict()  # parameter offload: written home now, not with every other shard at the end
 
     def _assemble_state(self, index: int, reader) -> None:
         """This rank's slice of every per-element optimizer state of a bucket; scalar state (Adam's step)

@@ -84,6 +84,11 @@ class ParamUnit(FlatParamBucket):
             self._shard = self._home.load()
         return self._shard
 
+    @property
+    def offloaded_to_disk(self) -> bool:
+        """Between uses this unit's shard lives in a file (parameter offload to NVMe)."""
+        return self._home is not None and self._home.on_disk
+
     def shard_in_memory(self) -> torch.Tensor | None:
         """The shard if it is in memory now, else None (memory accounting must not load it)."""
         return self._shard

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardspeed.utils.logging import logger
 from shardspeed.zero.init import logical_numel
 from shardspeed.zero.param_units import LiveNumel, ParamUnit, plan_units
 
@@ -264,9 +265,19 @@ class Stage3Coordinator:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        on_disk = [unit for unit in self.units if unit.offloaded_to_disk]
         for unit in self.units:
+            if unit in on_disk:
+                continue
             unit.persistent = True  # leave the module usable: gather everything once, for good
             unit.gather()
+        if on_disk:
+            # The model may not fit in memory at all: gathering it here could end the job. Its NVMe-resident
+            # parameters are left empty (their files go with the engine); save them before destroy().
+            logger.warning(
+                f"destroy(): {len(on_disk)} parameter units offloaded to NVMe are not gathered into the module; "
+                "save_checkpoint() or save_16bit_model() before destroy() to keep their values"
+            )
 
 
 def _idle(unit: ParamUnit) -> bool:

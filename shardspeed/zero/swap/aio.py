@@ -119,8 +119,10 @@ class AsyncFileIO:
         self._slots = threading.BoundedSemaphore(self.settings.queue_depth)
         self.bytes_read = 0
         self.bytes_written = 0
-        self.seconds_waiting = 0.0  # callers blocked in wait()
-        self.seconds_busy = 0.0  # wall time with at least one piece in the kernel (disk throughput = bytes / this)
+        self.seconds_waiting = 0.0  # callers blocked in wait() or on a full queue
+        self.seconds_busy = (
+            0.0  # wall time with at least one piece in the kernel (disk throughput = bytes / this)
+        )
         self._active = 0
         self._busy_since = 0.0
         self._busy_lock = threading.Lock()
@@ -180,7 +182,7 @@ class AsyncFileIO:
             futures.append(self._pool.submit(run_all))
         else:
             for start, end in pieces:
-                self._slots.acquire()  # at most queue_depth pieces in flight
+                self._take_slot()
                 futures.append(self._pool.submit(run_piece, start, end))
 
         def close_files() -> None:
@@ -193,6 +195,12 @@ class AsyncFileIO:
             request.wait()
         return request
 
+    def _take_slot(self) -> None:
+        """At most queue_depth pieces in flight: a caller blocked here waits for the disk, and is counted so."""
+        if not self._slots.acquire(blocking=False):
+            started = time.perf_counter()
+            self._slots.acquire()
+            self.seconds_waiting += time.perf_counter() - started
 
     def _piece_started(self) -> None:
         with self._busy_lock:

@@ -16,9 +16,9 @@ accumulation window, read, summed and rewritten by the later ones), and the step
 and the state. So no gradient shard stays in memory between backward and step.
 
 A master that is swapped out keeps its identity (it is the optimizer's key) with empty `.data`. Scalar
-state (Adam's `step`) stays in `optimizer.state`. `resident()` brings every sub-group in for checkpointing
-and the state accessors — the whole optimizer state at once, which a model larger than memory cannot
-afford; per-sub-group checkpoint streaming is not implemented.
+state (Adam's `step`) stays in `optimizer.state`. `resident(indices)` brings sub-groups in for the state
+accessors and checkpoint loads, one at a time; saves read `mapped` views of the files. So a model larger
+than memory can be saved and loaded.
 """
 
 from __future__ import annotations
@@ -209,6 +209,21 @@ class OptimizerSwapper:
             step_one(index)
             self.swap_out(index, wait=not self.pipeline_write)
         self.drain()
+
+    def mapped(self, index: int) -> tuple[torch.Tensor, dict]:
+        """Sub-group `index`'s master and optimizer state for reading (checkpoint saves), without bringing
+        it into memory: a swapped-out sub-group's tensors are private, read-only-by-contract mappings of its
+        files (pages are read when touched and stay reclaimable); a resident one's are its own tensors."""
+        master = self.masters[index]
+        state = dict(self.optimizer.state.get(master, {}))
+        if index in self._resident:
+            return master.data, state
+        self._wait_writes(index)
+        tensors = {
+            key: torch.from_file(self._file(index, key), shared=False, size=self.numels[index], dtype=dtype)
+            for key, dtype in self._keys[index]
+        }
+        return tensors.pop(MASTER), {**state, **tensors}
 
     @contextlib.contextmanager
     def resident(self, indices=None):
