@@ -15,8 +15,7 @@ How DeepSpeed's `aio` block maps here:
 | key | here |
 |---|---|
 | `block_size` | bytes per piece (one `preadv`/`pwritev` call) |
-| `queue_depth` | pieces in flight at once (across the whole pool) |
-| `intra_op_parallelism` (`thread_count`) | threads in the pool (at least `queue_depth` when `overlap_events`, so the queue is really that deep) |
+| `queue_depth` x `intra_op_parallelism` (`thread_count`) | pieces in flight at once, as in DeepSpeed, where each of `intra_op_parallelism` threads keeps `queue_depth` requests in the kernel; the pool has that many threads (each piece is one blocking call) |
 | `single_submit` | the pieces of one request are issued one after another, not all at once |
 | `overlap_events` | false: every request is waited for before the call returns (synchronous I/O) |
 | `use_gds` | no equivalent (GPUDirect Storage); a warning is logged by the config check, I/O goes via the host |
@@ -62,8 +61,9 @@ class AioSettings:
         )
 
     @property
-    def workers(self) -> int:
-        return max(self.thread_count, self.queue_depth if self.overlap_events else 1)
+    def in_flight(self) -> int:
+        """Pieces in the kernel at once (and threads in the pool)."""
+        return max(1, self.queue_depth) * max(1, self.thread_count)
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
@@ -115,8 +115,8 @@ class AsyncFileIO:
 
     def __init__(self, settings: AioSettings | None = None):
         self.settings = settings or AioSettings()
-        self._pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="shardspeed-aio")
-        self._slots = threading.BoundedSemaphore(self.settings.queue_depth)
+        self._pool = ThreadPoolExecutor(self.settings.in_flight, thread_name_prefix="shardspeed-aio")
+        self._slots = threading.BoundedSemaphore(self.settings.in_flight)
         self.bytes_read = 0
         self.bytes_written = 0
         self.seconds_waiting = 0.0  # callers blocked in wait() or on a full queue
@@ -196,7 +196,7 @@ class AsyncFileIO:
         return request
 
     def _take_slot(self) -> None:
-        """At most queue_depth pieces in flight: a caller blocked here waits for the disk, and is counted so."""
+        """At most `in_flight` pieces in flight: a caller blocked here waits for the disk, and is counted so."""
         if not self._slots.acquire(blocking=False):
             started = time.perf_counter()
             self._slots.acquire()
