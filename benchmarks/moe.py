@@ -170,6 +170,9 @@ def run_job(system, ep, stage, steps, warmup, world=2, timeout=900):
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
+    from benchmarks.worker import remove_shared_memory_left_by  # DeepSpeed's /dev/shm files
+
+    remove_shared_memory_left_by(port)
     errors = [v for s, v in got.values() if s == "error"]
     return {"error": errors[0]} if errors else got[0][1]
 

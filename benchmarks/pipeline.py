@@ -280,6 +280,9 @@ def run_stages(stages: int, micro_batches: list[int], steps: int) -> list[dict]:
         raise RuntimeError(f"rank {failed[0]} failed:\n{per_rank[failed[0]]}")
     for p in procs:
         p.join()
+    from benchmarks.worker import remove_shared_memory_left_by  # DeepSpeed's /dev/shm files
+
+    remove_shared_memory_left_by(port)
     return summarise(stages, [per_rank[r] for r in range(stages)])
 
 

@@ -269,7 +269,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     raw = out / "sequence_parallel.json"
-    mp.spawn(worker, args=(4, free_port(), args.steps, args.systems, str(raw)), nprocs=4)
+    port = free_port()
+    mp.spawn(worker, args=(4, port, args.steps, args.systems, str(raw)), nprocs=4)
+    from benchmarks.worker import remove_shared_memory_left_by  # DeepSpeed's /dev/shm files
+
+    remove_shared_memory_left_by(port)
     results = json.loads(raw.read_text())
     (out / "sequence_parallel.md").write_text(report(results, args.steps))
     print((out / "sequence_parallel.md").read_text())

@@ -123,6 +123,9 @@ def run_job(impl: str, tp: int, steps: int) -> dict:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+        from benchmarks.worker import remove_shared_memory_left_by  # DeepSpeed's /dev/shm files
+
+        remove_shared_memory_left_by(port)
     # a step ends with its slowest rank; the loss is the mean over ranks (tensor ranks repeat their replica's)
     per_step = [max(r[1][i] for r in results) for i in range(steps)]
     median = statistics.median(per_step)
