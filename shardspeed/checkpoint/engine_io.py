@@ -449,13 +449,18 @@ def _load_stage3(engine, state: dict, path: Path, load_optimizer_states: bool) -
     params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     if unexpected or [k for k in missing if k not in params]:
         raise CheckpointError(f"checkpoint {path} buffers do not match the model: {missing + unexpected}")
-    # memory-mapped: the optimizer copies it sub-group by sub-group (NVMe offload: larger than memory)
-    partition = path / files.zero_optim_states_name(engine.dp_rank, tp_files.mp_rank(engine))
-    saved = files.read_checkpoint(partition, mmap=True)["optimizer_state_dict"]
+    saved = _optimizer_partition(engine, path)
     try:
         engine.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer_states)
     except (KeyError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"ZeRO-3 partition in {path} does not match this engine: {err}") from err
+
+
+def _optimizer_partition(engine, path: Path) -> dict:
+    """This rank's ZeRO optimizer partition, memory-mapped: the optimizer copies it sub-group by sub-group,
+    so a partition larger than memory (NVMe offload) is read as it is copied."""
+    partition = path / files.zero_optim_states_name(engine.dp_rank, tp_files.mp_rank(engine))
+    return files.read_checkpoint(partition, mmap=True)["optimizer_state_dict"]
 
 
 def _replicated_optimizer(engine) -> bool:
@@ -469,8 +474,7 @@ def _load_optimizer(engine, state: dict, load_optimizer_states: bool, path: Path
     if optimizer.zero_stage == 0 or not load_optimizer_states:
         saved = state.get("optimizer")
     else:
-        partition = path / files.zero_optim_states_name(engine.dp_rank, tp_files.mp_rank(engine))
-        saved = files.read_checkpoint(partition, mmap=True)["optimizer_state_dict"]  # copied as it is read
+        saved = _optimizer_partition(engine, path)
     if not load_optimizer_states or saved is None:
         if hasattr(optimizer, "refresh_masters_from_module"):
             optimizer.refresh_masters_from_module()

@@ -48,6 +48,18 @@ class FlatParamBucket:
         """This rank's slice of the flat buffer (a view: writing it updates the module's parameters)."""
         return self.flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
 
+    def replace_shard(self, value: torch.Tensor) -> None:
+        """Overwrite this rank's shard with `value` (the optimizer's updated master). A master on the host
+        crosses as fp32 from page-locked memory (asynchronous: the next bucket steps meanwhile) and is
+        converted on the device — torch would convert a cross-device copy on the host, synchronously. The
+        all-gather that publishes the shard is queued after it on the same stream."""
+        shard = self.shard
+        if value is shard:
+            return
+        if value.device != shard.device:
+            value = value.to(shard.device, non_blocking=True)
+        shard.copy_(value)
+
     def fragments(self, rank: int | None = None):
         """For each parameter, the part of it inside `rank`'s shard: (index, name, start in param, start in
         shard, length). Parameters outside the shard are skipped."""

@@ -224,17 +224,9 @@ class ZeroOptimizer(OptimizerWrapper):
     def _bucket_stepped(self, index: int) -> None:
         master, bucket = self.masters[index], self.buckets[index]
         master.grad = None
-        if self.coordinator is not None:  # stage 3: the shard may live on an offload tier
-            bucket.replace_shard(master)
+        bucket.replace_shard(master)
+        if self.coordinator is not None:
             bucket.evict()  # parameter offload: the updated shard goes home now, not all at the end
-            return
-        if master.device != bucket.shard.device:
-            # Host to device as fp32 from page-locked memory (asynchronous: the next bucket steps meanwhile),
-            # converted on the device — torch would convert a cross-device copy on the host, synchronously.
-            # The all-gather that publishes the shard is queued after it on the same stream.
-            bucket.shard.copy_(master.to(bucket.shard.device, non_blocking=True))
-        elif master is not bucket.shard:
-            bucket.shard.copy_(master)
 
     def _publish_shards(self) -> None:
         """Make updated shards visible: stage 1/2 all-gather every bucket now; stage 3 gathers on use."""
@@ -309,7 +301,7 @@ class ZeroOptimizer(OptimizerWrapper):
             "loss_scaler": self.scaler.state_dict(),
             # Stage 3 parameters outside the optimizer (frozen) exist only as shards too: save them here.
             "frozen_buckets": [u.layout() for u in self._frozen_units()],
-            "frozen_shards": [u.shard for u in self._frozen_units()],
+            "frozen_shards": [u.read_shard() for u in self._frozen_units()],  # read: not written back
         }
 
     def _frozen_units(self) -> list:
@@ -406,8 +398,7 @@ class ZeroOptimizer(OptimizerWrapper):
         master.zero_()
         for _, name, in_param, in_shard, length in bucket.fragments():
             master[in_shard : in_shard + length].copy_(reader.fp32_slice(name, in_param, in_param + length))
-        bucket.replace_shard(master)
-        bucket.evict()  # parameter offload: written home now, not with every other shard at the end
+        self._bucket_stepped(index)  # the shard takes the master's value (written home now under offload)
 
     def _assemble_state(self, index: int, reader) -> None:
         """This rank's slice of every per-element optimizer state of a bucket; scalar state (Adam's step)

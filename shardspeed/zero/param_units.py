@@ -94,17 +94,12 @@ class ParamUnit(FlatParamBucket):
         return self._shard
 
     def replace_shard(self, value: torch.Tensor) -> None:
-        """Overwrite this rank's shard with `value` (the updated master, possibly fp32 on the host). An
-        offloaded shard that is not in memory is replaced in its home without being read first."""
+        """As FlatParamBucket's; an offloaded shard that is not in memory is replaced in its home without
+        being read first (the step overwrites it whole)."""
         if self._home is not None and self._shard is None:
             self._home.replace(value)
             return
-        shard = self.shard
-        if value is shard:
-            return
-        if value.device != shard.device:  # as ZeroOptimizer._bucket_stepped: fp32 across, converted there
-            value = value.to(shard.device, non_blocking=True)
-        shard.copy_(value)
+        super().replace_shard(value)  # through `self.shard`: marked changed, written home at eviction
 
     def prefetch_shard(self) -> bool:
         """Start bringing an offloaded shard in ahead of its gather; False when the read-ahead budget is full."""
@@ -127,7 +122,8 @@ class ParamUnit(FlatParamBucket):
         return self.flat is not None
 
     def gather(self, async_op: bool = False) -> None:
-        """Start (or finish) the all-gather of every rank's shard into a fresh full buffer."""
+        """Start (or finish) the all-gather of every rank's shard into the unit's full buffer (its storage
+        re-allocated: [Note: one storage per unit])."""
         if self.flat is None:
             self.flat = self._full
             self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())

@@ -265,17 +265,18 @@ class Stage3Coordinator:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        on_disk = [unit for unit in self.units if unit.offloaded_to_disk]
+        on_disk = 0
         for unit in self.units:
-            if unit in on_disk:
+            if unit.offloaded_to_disk:
+                # The model may not fit in memory at all: gathering it here could end the job. NVMe-resident
+                # parameters are left empty (their files go with the engine); save them before destroy().
+                on_disk += 1
                 continue
             unit.persistent = True  # leave the module usable: gather everything once, for good
             unit.gather()
         if on_disk:
-            # The model may not fit in memory at all: gathering it here could end the job. Its NVMe-resident
-            # parameters are left empty (their files go with the engine); save them before destroy().
             logger.warning(
-                f"destroy(): {len(on_disk)} parameter units offloaded to NVMe are not gathered into the module; "
+                f"destroy(): {on_disk} parameter units offloaded to NVMe are not gathered into the module; "
                 "save_checkpoint() or save_16bit_model() before destroy() to keep their values"
             )
 

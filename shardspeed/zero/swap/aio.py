@@ -120,9 +120,8 @@ class AsyncFileIO:
         self.bytes_read = 0
         self.bytes_written = 0
         self.seconds_waiting = 0.0  # callers blocked in wait() or on a full queue
-        self.seconds_busy = (
-            0.0  # wall time with at least one piece in the kernel (disk throughput = bytes / this)
-        )
+        # wall time with at least one piece in the kernel (disk throughput = bytes / this)
+        self.seconds_busy = 0.0
         self._active = 0
         self._busy_since = 0.0
         self._busy_lock = threading.Lock()

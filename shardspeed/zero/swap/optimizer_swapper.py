@@ -164,15 +164,12 @@ class OptimizerSwapper:
         """Sub-group `index`'s accumulated gradient, read with the sub-group or now (zeros when nothing was
         reduced since `forget_gradients`). Consumed by the step (the next backward starts a new one); the
         state accessors read a copy (`consume=False`)."""
-        if not consume:
-            found = self._gradients.get(index)
-            dtype = self._gradient_dtypes.get(index)
-            found = found.clone() if found is not None else None
-        else:
-            dtype = self._gradient_dtypes.pop(index, None)
-            found = self._gradients.pop(index, None)
+        dtype, found = self._gradient_dtypes.get(index), self._gradients.get(index)
+        if consume:
+            self._gradient_dtypes.pop(index, None)
+            self._gradients.pop(index, None)
         if found is not None:
-            return found
+            return found if consume else found.clone()
         if dtype is None:
             return torch.zeros(self.numels[index], dtype=torch.float32)
         return self._read_gradient(index, dtype)
