@@ -53,7 +53,6 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "seq_parallel_communication_data_type",
         # DeepSpeed parses it and reads it nowhere; so does shardspeed.
         "disable_allgather",
-        "use_data_before_expert_parallelism",
         # ZeRO: every stage, and the keys the engine honours. Some are honoured by construction:
         # gradients always live in contiguous buckets (contiguous_gradients), every rank owns a slice of
         # every bucket (round_robin_gradients' balance), one collective per bucket
@@ -80,6 +79,8 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.stage3_module_granularity_threshold",
         "zero_optimization.stage3_allgather_sequential",
+        "zero_optimization.stage3_use_all_reduce_for_fetch_params",
+        "zero_optimization.log_trace_cache_warnings",
         "zero_optimization.leaf_module",
         "zero_optimization.memory_efficient_linear",
         "zero_optimization.legacy_stage1",
@@ -160,6 +161,7 @@ _REASONS: dict[str, str] = {
     "managed_gradient_accumulation": "the script owning the accumulation boundary is not implemented; keep "
     "the default (true) and set gradient_accumulation_steps",
     "hybrid_engine": "the hybrid training/generation engine (RLHF) is not implemented",
+    "use_data_before_expert_parallelism": "expert-parallel groups are consecutive data-parallel ranks",
     "autotuning": "the autotuner is not implemented",
     "data_efficiency": "the data-efficiency library (curriculum sampling, random-LTD) is not implemented",
     "expert_parallel": "AutoEP is not implemented; deepspeed.moe.MoE layers give expert parallelism",
@@ -213,16 +215,16 @@ def refuse_unsupported(config: Any, given: set[str]) -> None:
         if f.name in given:
             found += _walk(f.name, getattr(config, f.name), _default(f), given)
     if found:
-        raise ConfigError("; ".join(_describe(path, value, default) for path, value, default in found))
+        raise ConfigError("; ".join(_describe(path, value, default, given) for path, value, default in found))
 
 
-def _describe(path: str, value: Any, default: Any) -> str:
+def _describe(path: str, value: Any, default: Any, given: set[str]) -> str:
     reason = next((_REASONS[p] for p in sorted(_REASONS, key=len, reverse=True) if path.startswith(p)), None)
     reason = reason or "not implemented"
-    if dataclasses.is_dataclass(value):
-        return f"{path}: this block is not supported by shardspeed ({reason}); remove it"
-    if path.endswith(".enabled"):
-        return f"{path}: true is not supported by shardspeed ({reason}); set it to false or remove the block"
+    if dataclasses.is_dataclass(value):  # a whole block: name every key of it the user set
+        keys = sorted(g for g in given if g.startswith(path + "."))
+        setting = f" (it sets {', '.join(keys)})" if keys else ""
+        return f"{path}: this block is not supported by shardspeed ({reason}); remove it{setting}"
     fix = "remove the key" if default is None else f"remove the key or set its default {show(default)}"
     return f"{path}: {show(value)} is not supported by shardspeed ({reason}); {fix}"
 
@@ -237,8 +239,8 @@ def _walk(path: str, value: Any, default: Any, given: set[str]) -> list[tuple[st
     if any(f.name == "enabled" for f in fields):  # a switched block: nothing in it matters while it is off
         if not value.enabled:
             return []
-        if f"{path}.enabled" not in IMPLEMENTED:
-            return [(f"{path}.enabled", True, False)]
+        if f"{path}.enabled" not in IMPLEMENTED and not _partly_implemented(path):
+            return [(path, value, default)]
     elif getattr(type(value), "ACTIVE_WHEN_PRESENT", False) and not _partly_implemented(path):
         return [(path, value, default)]
     found: list[tuple[str, Any, Any]] = []

@@ -191,9 +191,14 @@ class ShardspeedConfig:
     vocabulary_size: PositiveInt | None = None
     """Vocabulary size (a warning when not a multiple of 8, as DeepSpeed). Default null."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
-    """AutoTP training (tensor parallelism)."""
+    """AutoTP training (tensor parallelism); see the block below."""
     sequence_parallel_size: PositiveInt = 1
-    """Sequence-parallel degree (Ulysses). Default 1."""
+    """Ulysses sequence-parallel degree. Above 1, `initialize` builds a (data, sequence) grid with sequence
+    groups of consecutive ranks (must divide the world size); gradients are averaged and ZeRO shards over
+    sequence x data ranks; the data loader splits samples over the data ranks only and each sequence rank
+    keeps its slice of dimension 1; batch sizes count data ranks only (`train_batch_size = micro x gas x world
+    / sp`). Wrap attention in `shardspeed.sequence.DistributedAttention(attn, engine.get_sequence_parallel_group())`.
+    Default 1."""
     data_parallel_size: PositiveInt | None = None
     """Data-parallel degree of a (data, sequence) mesh; with sequence_parallel_size it must multiply to the
     world size. Default null (world size / sequence_parallel_size)."""

@@ -2,8 +2,13 @@
 
 The engine itself holds little logic. It owns the wrapped module and the counters, and delegates:
 gradient averaging and the optimizer step to the stage's optimizer wrapper (`runtime/data_parallel.py` for
-stage 0), loss scaling to `runtime/precision.py`, data to `runtime/data.py`, and checkpoints to
-`checkpoint/`. See docs/architecture.md.
+stage 0), loss scaling to `runtime/precision.py`, the module's dtypes to `runtime/module_dtypes.py`,
+`torch_autocast` to `runtime/autocast.py`, `compile()` to `runtime/compiler.py`, `offload_states()` to
+`runtime/zero/offload_states.py`, data to `runtime/data.py`, checkpoints to `checkpoint/`, and DeepSpeed's
+config getters to `runtime/engine_getters.py`. See docs/architecture.md.
+
+Attributes the engine does not have are looked up on the wrapped module, as DeepSpeed does
+(`engine.config_class` reads `engine.module.config_class`); see `__getattr__`.
 """
 
 from __future__ import annotations
@@ -19,17 +24,25 @@ from shardspeed import accelerator
 from shardspeed.config import ConfigError, ShardspeedConfig, resolve_batch_sizes
 from shardspeed.moe.parallelism import ExpertParallelism
 from shardspeed.runtime import memory
+from shardspeed.runtime.autocast import TorchAutocast
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
+from shardspeed.runtime.compiler import ModuleCompiler
 from shardspeed.runtime.data import ShardedDataLoader
 from shardspeed.runtime.data_parallel import DataParallelOptimizer
+from shardspeed.runtime.engine_extras import EngineExtras
+from shardspeed.runtime.engine_getters import ConfigGetters
 from shardspeed.runtime.engine_integrations import IntegrationMethods
-from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
+from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout, comm_dtype_of
+from shardspeed.runtime.module_dtypes import cast_module
 from shardspeed.runtime.observers import StepObservers
 from shardspeed.runtime.optim import is_zero_tested_optimizer
-from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
+from shardspeed.runtime.precision import PrecisionPlan, make_scaler
+from shardspeed.runtime.python_gc import python_gc
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
+from shardspeed.runtime.zero.offload_states import StateOffloader
 from shardspeed.sequence.engine_part import SequenceParallelism
-from shardspeed.utils.logging import log_dist
+from shardspeed.utils.logging import log_dist, logger
+from shardspeed.utils.z3_leaf_module import apply_leaf_module_config
 from shardspeed.zero import init as zero_init
 from shardspeed.zero.offload import OptimizerOffload
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
@@ -50,7 +63,7 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
         torch._foreach_copy_([t.data for t in same_dtype], [p.view_as(t) for p, t in zip(pieces, same_dtype)])
 
 
-class ShardspeedEngine(IntegrationMethods, nn.Module):
+class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Module):
     """DeepSpeed's `DeepSpeedEngine` contract: call it, `backward(loss)`, `step()` every micro-batch."""
 
     def __init__(
@@ -69,6 +82,13 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         self._config = config
         self.config = config.raw
         self.mpu = mpu
+        if config.log_level is not None:  # the library logger and its handlers, as DeepSpeed's `log_level`
+            logger.setLevel(config.log_level.upper())
+            for handler in logger.handlers:
+                handler.setLevel(config.log_level.upper())
+        self._holds_python_gc = config.disable_python_gc
+        if self._holds_python_gc:
+            python_gc.acquire()
         # Gradients are averaged, and ZeRO shards, over every rank holding the same parameters: the data ranks,
         # and with sequence parallelism the sequence ranks too; batches are sharded over the data ranks only.
         self.dp_group = _replica_group(mpu)
@@ -84,11 +104,16 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         self._step_applied = False
         self._window_loss = None
 
-        self.plan = PrecisionPlan.from_config(config)
+        self.plan = PrecisionPlan.from_config(config, sequence_parallel=self.sequence.enabled)
         if self.zero_optimization_stage() < 3:  # built under zero.Init: stages 0-2 keep full parameters
             for p in model.parameters():
                 zero_init.materialize(p)
-        self.module = model.to(device=self.device, dtype=self.plan.param_dtype)
+        self.module = model.to(device=self.device)
+        cast_module(self.module, self.plan.param_dtype, config.data_types)
+        apply_leaf_module_config(self.module, config.zero_optimization.leaf_module)
+        self.autocast = TorchAutocast.from_config(config, self.module, self.device)
+        self.compiler = ModuleCompiler()
+        self.states = StateOffloader(self)
         # MoE layers: their expert groups are created here and experts start from their own group's values
         self.moe = ExpertParallelism.discover(
             self.module, mpu, self.dp_group, config.use_data_before_expert_parallelism
@@ -105,6 +130,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         )
         if model_parameters is None:
             model_parameters = list(self.module.parameters())
+        self.client_optimizer = optimizer  # what the script passed (`optimizer_name()` reports its class)
         client_optimizer = resolve_optimizer(optimizer, model_parameters, config)
         self.optimizer = self._wrap_optimizer(client_optimizer) if client_optimizer is not None else None
         self.basic_optimizer = client_optimizer
@@ -112,7 +138,8 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
         # the flops profiler reports backward and step latency, so it turns the timers on (as in DeepSpeed)
         self.timers = PhaseTimers(self.device, config.wall_clock_breakdown or config.flops_profiler.enabled)
-        self.throughput = ThroughputMeter()
+        throughput = config.timers.throughput
+        self.throughput = ThroughputMeter(self.device, throughput.enabled, throughput.synchronized)
         self.observers = StepObservers(self, config)  # monitors, flops profiler, comms logger
         self.monitor = self.observers.monitor
         if self.global_rank == 0:
@@ -121,6 +148,13 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                 f"dtype={self.plan.param_dtype} micro_batch={self.train_micro_batch_size_per_gpu()} "
                 f"grad_accum={self.gradient_accumulation_steps()} train_batch={self.train_batch_size()}"
             )
+            if config.dump_state:
+                import json
+
+                log_dist(
+                    "engine config (every key resolved):\n"
+                    + json.dumps(config.to_dict(), indent=2, default=str)
+                )
 
     # -- construction helpers ------------------------------------------------------------------------------
 
@@ -157,7 +191,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer):
         """Wrap the torch optimizer in the stage's wrapper, which owns gradients, masters and the step."""
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        scaler = LossScaler.from_config(self._config.fp16) if self._config.fp16.enabled else NoScaler()
+        scaler = make_scaler(self._config, self.plan)
         if self.moe is not None:  # one wrapper per reduction domain (dense, each expert group)
             wrap = lambda opt, sub, group, owned: self._wrap_params(opt, sub, group, scaler, owned)  # noqa: E731
             return self.moe.wrap_optimizer(
@@ -175,16 +209,16 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             group=group,
             prescale_gradients=self._config.prescale_gradients,
             gradient_predivide_factor=self._config.gradient_predivide_factor,
+            average=self._config.gradient_allreduce_op == "mean",
         )
         if stage == 0:
             if self._optimizer_offload() is not None:
                 log_dist("zero_optimization.offload_optimizer has no effect at ZeRO stage 0 (it needs stage 1-3)",
                          level=30)  # fmt: skip
+            by_comm_dtype = lambda p: comm_dtype_of(p, self.plan.comm_dtype)  # noqa: E731
+            layout = bucket_layout([[p for _, p in named]], int(zero_cfg.reduce_bucket_size), by_comm_dtype)
             reducer = BucketedAllReducer(
-                [
-                    params
-                    for _, params in bucket_layout([[p for _, p in named]], int(zero_cfg.reduce_bucket_size))
-                ],
+                [params for _, params in layout],
                 accum_dtype=self.plan.grad_accum_dtype,
                 comm_dtype=self.plan.comm_dtype,
                 **comm,
@@ -202,6 +236,9 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                 self.module,
                 optimizer,
                 named,
+                allgather_sequential=zero_cfg.stage3_allgather_sequential,
+                fetch_with_all_reduce=zero_cfg.stage3_use_all_reduce_for_fetch_params,
+                log_order_changes=zero_cfg.log_trace_cache_warnings,
                 owned=owned,
                 unit_numel=self._stage3_unit_numel(sub_group_numel),
                 persistence_threshold=int(zero_cfg.stage3_param_persistence_threshold),
@@ -218,7 +255,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                 **common,
                 **comm,
             )
-        return zero_stage_1_2(
+        wrapper = zero_stage_1_2(
             optimizer,
             named,
             stage=stage,
@@ -227,6 +264,8 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             **common,
             **comm,
         )
+        wrapper.compute_grad_norm = zero_cfg.compute_grad_norm
+        return wrapper
 
     def _optimizer_offload(self) -> OptimizerOffload | None:
         block = self._config.zero_optimization.offload_optimizer
@@ -257,30 +296,37 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
     # -- the training loop ---------------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        self.states.check_resident("forward")
         self.timers.start("forward")
         self.observers.before_forward(self)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs, kwargs = _cast_floating((inputs, kwargs), torch.float16)
-        out = self.module(*inputs, **kwargs)
+        with self.autocast.context():
+            out = self.module(*inputs, **kwargs)
         self.observers.after_forward(self)
         self.timers.stop("forward")
         return out
 
     def backward(self, loss: torch.Tensor, release_loss: bool = False, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:  # fmt: skip
-        """Backpropagate `loss / gradient_accumulation_steps`; gradients are averaged at the boundary."""
+        """Backpropagate `loss / gradient_accumulation_steps`; gradients are averaged at the boundary.
+
+        Returns the loss divided by the accumulation steps, in the loss's own dtype (a bf16 model's loss
+        stays bf16), as DeepSpeed 0.19 does.
+        """
         if self.optimizer is None:
             raise RuntimeError(
                 "engine.backward needs an optimizer: pass one to initialize() or configure 'optimizer'"
             )
+        self.states.check_resident("backward")
         self.timers.start("backward")
-        gas = self.gradient_accumulation_steps()
-        if scale_wrt_gas and gas > 1 and not self._in_no_sync:
-            loss = loss.float() / gas
+        if scale_wrt_gas:
+            loss = loss / self.gradient_accumulation_steps()
         detached = loss.detach()
         self._window_loss = detached if self._window_loss is None else self._window_loss + detached
         self.optimizer.backward_begin(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
-        self.optimizer.scaler.scale_loss(loss).backward(retain_graph=retain_graph)
+        with self.compiler.backward_context():
+            self.optimizer.scaler.scale_loss(loss).backward(retain_graph=retain_graph)
         self.optimizer.backward_end()
         self.timers.stop("backward")
         return loss
@@ -291,6 +337,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             raise RuntimeError(
                 "engine.step() is not allowed inside engine.no_sync(); leave the context first"
             )
+        self.states.check_resident("step")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self.timers.start("step")
@@ -300,7 +347,9 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
                 self.skipped_steps += 1
-                log_dist(f"fp16 overflow: step skipped, loss scale is now {self.optimizer.loss_scale}")
+                log_dist(
+                    f"gradient overflow (inf/nan): step skipped, loss scale is now {self.optimizer.loss_scale}"
+                )
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.throughput.add(self.train_batch_size())
@@ -312,6 +361,10 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
     def _report_progress(self) -> None:
         every = self._config.steps_per_print
         loss, self._window_loss = self._window_loss, None
+        if self._config.memory_breakdown and self.global_rank == 0:  # every step, as DeepSpeed's breakdown
+            log_dist(
+                f"memory at step {self.global_steps} (bytes on rank 0): {memory.measure(self).as_dict()}"
+            )
         if not every or self.global_steps % every != 0 or self.global_rank != 0:
             return
         parts = [
@@ -320,7 +373,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             f"lr={[round(lr, 8) for lr in self.get_lr()]}",
             f"loss={loss.item():.4f}" if loss is not None else "",
             f"loss_scale={self.optimizer.loss_scale:g}" if self.fp16_enabled() else "",
-            f"samples/s={self.throughput.rate():.1f}",
+            f"samples/s={self.throughput.rate():.1f}" if self.throughput.enabled else "",
             self.timers.report() if self.timers.enabled else "",
         ]
         log_dist(" ".join(p for p in parts if p))
@@ -437,21 +490,6 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         """The Ulysses sequence-parallel group for DistributedAttention (None without sequence parallelism)."""
         return self.sequence.group
 
-    def fp16_enabled(self) -> bool:
-        return self._config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self._config.bf16.enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization.stage
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale if self.optimizer is not None else 1.0
 
@@ -461,12 +499,15 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
     def destroy(self) -> None:
         """Remove gradient hooks so the module can be used (or wrapped again) without this engine, and delete
-        NVMe optimizer-offload swap files; close the monitors' files."""
+        NVMe optimizer-offload swap files; close the monitors' files; give back `disable_python_gc`."""
         self.observers.close()
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
             if hasattr(self.optimizer, "close_offload"):
                 self.optimizer.close_offload()
+        if self._holds_python_gc:
+            self._holds_python_gc = False
+            python_gc.release()
 
 
 def _replica_group(mpu):

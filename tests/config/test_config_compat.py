@@ -371,7 +371,8 @@ def test_unsupported_keys_are_refused_in_one_error_naming_each():
         load_config(config)
     message = str(caught.value)
     for key in (
-        "hybrid_engine.enabled: true is not supported by shardspeed",
+        "hybrid_engine: this block is not supported by shardspeed",
+        "(it sets hybrid_engine.enabled)",
         "checkpoint.use_node_local_storage: true",
         "zero_optimization.zenflow: this block is not supported",
         "zero_optimization.enable_sanity_checks: true",
