@@ -78,10 +78,15 @@ def _as_tuples(obj):
     return tuple(_as_tuples(o) for o in obj) if isinstance(obj, (list, tuple)) else obj
 
 
-def _agree_on_tag(engine, tag: str) -> str:
-    """The one tag every rank saves under: rank 0's. Ranks that passed different tags are an error under
-    `checkpoint.tag_validation: "Fail"`, a warning under "Warn", and silent under "Ignore" (collective)."""
-    tags = all_gather_strings(tag, engine.device)
+def _agree_on_place(engine, save_dir: Path, tag: str) -> str:
+    """The one tag every rank saves under: rank 0's (collective). Every rank must name the same folder; ranks
+    that passed different tags are an error under `checkpoint.tag_validation: "Fail"`, a warning under "Warn",
+    and silent under "Ignore"."""
+    places = [p.split("\x1f") for p in all_gather_strings(f"{save_dir}\x1f{tag}", engine.device)]
+    folders, tags = [str(Path(f).resolve()) for f, _ in places], [t for _, t in places]
+    if len(set(folders)) > 1:
+        shown = ", ".join(f"rank {r}: {f!r}" for r, f in enumerate(folders))
+        raise ValueError(f"save_checkpoint: save_dir differs across ranks ({shown}); every rank saves into one folder")
     if len(set(tags)) == 1:
         return tag
     mode = engine._config.checkpoint.tag_validation
@@ -196,7 +201,7 @@ def saving(engine, save_dir, tag, client_state, save_latest: bool):
     device = engine.device
     save_dir, tag = agree("save_checkpoint", lambda: _checked_arguments(engine, save_dir, tag, client_state),
                           device)  # fmt: skip
-    tag = agree("save_checkpoint", lambda: _agree_on_tag(engine, tag), device)
+    tag = agree("save_checkpoint", lambda: _agree_on_place(engine, save_dir, tag), device)
     staging = files.staging_dir(save_dir, tag)
     leader = dist.get_rank() == 0
 
@@ -206,16 +211,15 @@ def saving(engine, save_dir, tag, client_state, save_latest: bool):
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
             staging.mkdir()
 
-    agree(f"save_checkpoint into {save_dir}", make_staging, device)
+    agree("save_checkpoint", make_staging, device)
     written: BaseException | None = None
     try:
         yield save_dir, tag, staging
     except Exception as err:  # agreed just below, so every rank stops here together
         written = err
     try:
-        agree(f"save_checkpoint writing {staging}", written, device)
-        agree(f"save_checkpoint publishing {save_dir / tag}",
-              lambda: _publish(save_dir, tag, staging, save_latest) if leader else None, device)  # fmt: skip
+        agree("save_checkpoint", written, device)  # every rank's files are written, or no rank goes on
+        agree("save_checkpoint", lambda: _publish(save_dir, tag, staging, save_latest) if leader else None, device)
     except Exception:
         if leader:
             shutil.rmtree(staging, ignore_errors=True)
