@@ -73,11 +73,13 @@ def config(**overrides) -> dict:
     return cfg
 
 
-def make_engine(cfg: dict, model=None, **kwargs):
+def make_engine(cfg: dict, model=MLP, **kwargs):
+    """An engine over `model`: a module class (built here, after seeding, so every engine of a test starts
+    from the same weights) or a module built by the caller (zero.Init)."""
     import shardspeed
 
     torch.manual_seed(0)
-    model = model if model is not None else MLP()
+    model = model() if isinstance(model, type) else model
     engine, *_ = shardspeed.initialize(model=model, config=copy.deepcopy(cfg), **kwargs)
     return engine
 

@@ -128,7 +128,11 @@ def test_bad_saves_fail_the_same_way_on_every_rank_and_keep_the_previous_checkpo
         write.startswith("PermissionError: ") and "failed on rank 1" in write and "Permission denied" in write
     )
     differs = out["save_dir differs per rank"]
-    assert differs.startswith("ValueError: ") and "save_dir differs across ranks" in differs and "own-1" in differs
+    assert (
+        differs.startswith("ValueError: ")
+        and "save_dir differs across ranks" in differs
+        and "own-1" in differs
+    )
     # Nothing of the failed saves is left, nothing earlier is lost.
     assert out["keep after failures"] == ["good", "latest"]
     assert out["latest after failures"] == "good"

@@ -11,6 +11,7 @@ only how DeepSpeed's own implementation works) must train exactly like their def
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from engine_features_common import MLP, config, make_engine, params, same, train
@@ -75,12 +76,11 @@ def _sent_gradients(overrides: dict) -> torch.Tensor:
 
 
 def _effects(root: str) -> dict:
-    import torch.distributed as dist
     from torch.utils.data import TensorDataset
 
     from shardspeed.utils.logging import logger
 
-    rank, out = dist.get_rank(), {}
+    rank, out = int(os.environ["RANK"]), {}  # the process group starts with the first engine
     plain = _sent_gradients({})
     prescale = _sent_gradients({"prescale_gradients": True})
     predivide = _sent_gradients({"gradient_predivide_factor": 4.0})
@@ -102,7 +102,7 @@ def _effects(root: str) -> dict:
 
     seen = {}
     for auto_cast in (False, True):
-        engine = make_engine(config(fp16={"enabled": True, "auto_cast": auto_cast}), model=_Probe())
+        engine = make_engine(config(fp16={"enabled": True, "auto_cast": auto_cast}), model=_Probe)
         engine(torch.randn(2, 8))
         seen[auto_cast] = engine.module.seen
     out["auto_cast"] = (seen[False], seen[True])
@@ -135,10 +135,11 @@ def _effects(root: str) -> dict:
         )
 
     for path, value, extra in BY_CONSTRUCTION:
+        dtype = torch.bfloat16 if "bf16" in extra else None
         default = make_engine(config(**extra))
-        train(default)
+        train(default, dtype=dtype)
         changed = make_engine(_with(config(**extra), path, value))
-        train(changed)
+        train(changed, dtype=dtype)
         out[path] = same(params(default), params(changed))
     return out
 

@@ -86,7 +86,9 @@ def _agree_on_place(engine, save_dir: Path, tag: str) -> str:
     folders, tags = [str(Path(f).resolve()) for f, _ in places], [t for _, t in places]
     if len(set(folders)) > 1:
         shown = ", ".join(f"rank {r}: {f!r}" for r, f in enumerate(folders))
-        raise ValueError(f"save_checkpoint: save_dir differs across ranks ({shown}); every rank saves into one folder")
+        raise ValueError(
+            f"save_checkpoint: save_dir differs across ranks ({shown}); every rank saves into one folder"
+        )
     if len(set(tags)) == 1:
         return tag
     mode = engine._config.checkpoint.tag_validation
@@ -219,7 +221,11 @@ def saving(engine, save_dir, tag, client_state, save_latest: bool):
         written = err
     try:
         agree("save_checkpoint", written, device)  # every rank's files are written, or no rank goes on
-        agree("save_checkpoint", lambda: _publish(save_dir, tag, staging, save_latest) if leader else None, device)
+        agree(
+            "save_checkpoint",
+            lambda: _publish(save_dir, tag, staging, save_latest) if leader else None,
+            device,
+        )
     except Exception:
         if leader:
             shutil.rmtree(staging, ignore_errors=True)

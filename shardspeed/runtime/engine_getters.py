@@ -56,10 +56,10 @@ class ConfigGetters:
     # -- optimizer and schedule ----------------------------------------------------------------------------
 
     def optimizer_name(self) -> str | None:
-        """The class name of an optimizer passed to initialize(), else the config's type (DeepSpeed's own
-        names lower-cased, as DeepSpeed does)."""
+        """The class name of the optimizer passed to initialize() (or built by the callable passed; DeepSpeed
+        reports "function" then), else the config's type (DeepSpeed's own names lower-cased, as it does)."""
         if self.client_optimizer is not None:
-            return type(self.client_optimizer).__name__
+            return type(self.basic_optimizer).__name__
         if self._config.optimizer is None:
             return None
         name = self._config.optimizer.type
