@@ -102,25 +102,36 @@ def _move_optimizer_state(optimizer, device, pin, non_blocking) -> None:
 
 
 def _move_masters(wrapper, device, pin, non_blocking) -> None:
-    """fp32 masters that are tensors of their own (a master that is a view of the parameters' shard, in fp32
-    training, moves with the parameters). Each keeps its identity: the optimizer's state is keyed by it."""
+    """fp32 masters of their own. A master that is a view (stage 0's are views of one flat per bucket) is
+    replaced by a view of the moved flat and the optimizer re-keyed: re-pointing the old view in place
+    would keep the old buffer alive through the view's base. A master that is a shard view of the
+    parameters (fp32 training, stages 1-2) moves with the parameters (`_move_params`)."""
     if wrapper.zero_stage == 0:
-        for index, flat in enumerate(wrapper.master_flats):
+        remap = {}
+        for index, flat in enumerate(wrapper.master_flats):  # one per gradient bucket, in bucket order
             moved = _moved(flat, device, pin, non_blocking)
             wrapper.master_flats[index] = moved
-            _repoint_views(wrapper.masters, flat, moved)
+            offset = 0
+            for p in wrapper.reducer.buckets[index].params:
+                fresh = moved[offset : offset + p.numel()].view_as(p)
+                remap[wrapper.masters[p]], wrapper.masters[p] = fresh, fresh
+                offset += p.numel()
+        _rekey(wrapper.optimizer, remap)
         return
     for master in wrapper.masters:
-        if master._base is None:
+        if master._base is None:  # in place: the optimizer's state is keyed by this tensor
             master.data = _moved(master.data, device, pin, non_blocking)
 
 
-def _repoint_views(views: dict, old: torch.Tensor, new: torch.Tensor) -> None:
-    """Make every tensor in `views` that viewed `old` view the same elements of `new`."""
-    for view in views.values():
-        if view._base is old:
-            offset = view.storage_offset() - old.storage_offset()
-            view.data = new[offset : offset + view.numel()].view(view.shape)
+def _rekey(optimizer, remap: dict) -> None:
+    """Replace tensors in the optimizer's groups and state by their new selves (`remap`: old -> new)."""
+    if not remap:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [remap.get(p, p) for p in group["params"]]
+    for old, new in remap.items():
+        if old in optimizer.state:
+            optimizer.state[new] = optimizer.state.pop(old)
 
 
 def _move_params(engine, wrapper, device, pin, non_blocking) -> None:
@@ -132,6 +143,10 @@ def _move_params(engine, wrapper, device, pin, non_blocking) -> None:
     units = wrapper.coordinator.units if wrapper.coordinator is not None else wrapper.buckets
     for unit in units:
         unit.move_to(device, pin, non_blocking)
-    if wrapper.zero_stage < 3 and not wrapper.plan.mixed:  # fp32: each master is its bucket's shard view
+    if wrapper.zero_stage < 3:  # a master that is its bucket's shard view (fp32 training) follows the bucket
+        remap = {}
         for index, bucket in enumerate(wrapper.buckets):
-            wrapper.masters[index].data = bucket.shard
+            master = wrapper.masters[index]
+            if master._base is not None and master.device != bucket.device:
+                remap[master] = wrapper.masters[index] = bucket.shard
+        _rekey(wrapper.optimizer, remap)
