@@ -280,6 +280,11 @@ class ZeroConfig:
                 f"{join(path, 'offload_param')}: parameter offload needs {join(path, 'stage')} 3, "
                 f"got stage {self.stage} (use offload_optimizer for stages 1 and 2)"
             )
+        if optim is not None and optim.device != "none" and self.stage == 0:
+            raise ConfigError(
+                f"{join(path, 'offload_optimizer.device')}: optimizer offload needs {join(path, 'stage')} 1, 2 "
+                f"or 3, got stage 0 (nothing is partitioned to offload)"
+            )
         if optim is not None and optim.ratio < 1.0 and self.stage != 3:
             raise ConfigError(
                 f"{join(path, 'offload_optimizer.ratio')}: a ratio below 1 ({optim.ratio}) needs "

@@ -14,6 +14,7 @@ Attributes the engine does not have are looked up on the wrapped module, as Deep
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import torch
@@ -21,33 +22,27 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed import accelerator
-from shardspeed.config import ConfigError, ShardspeedConfig, resolve_batch_sizes
+from shardspeed.config import ShardspeedConfig, resolve_batch_sizes
 from shardspeed.moe.parallelism import ExpertParallelism
 from shardspeed.runtime import memory
 from shardspeed.runtime.autocast import TorchAutocast
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.compiler import ModuleCompiler
 from shardspeed.runtime.data import ShardedDataLoader
-from shardspeed.runtime.data_parallel import DataParallelOptimizer
 from shardspeed.runtime.engine_extras import EngineExtras
 from shardspeed.runtime.engine_getters import ConfigGetters
 from shardspeed.runtime.engine_integrations import IntegrationMethods
-from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout, comm_dtype_of
 from shardspeed.runtime.module_dtypes import cast_module
 from shardspeed.runtime.observers import StepObservers
-from shardspeed.runtime.optim import is_zero_tested_optimizer
-from shardspeed.runtime.precision import PrecisionPlan, make_scaler
-from shardspeed.runtime.python_gc import python_gc
+from shardspeed.runtime.precision import PrecisionPlan
+from shardspeed.runtime.python_gc import ProcessSettings
+from shardspeed.runtime.stage_wrappers import wrap_optimizer
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
 from shardspeed.runtime.zero.offload_states import StateOffloader
 from shardspeed.sequence.engine_part import SequenceParallelism
-from shardspeed.utils.logging import log_dist, logger
+from shardspeed.utils.logging import log_dist
 from shardspeed.utils.z3_leaf_module import apply_leaf_module_config
 from shardspeed.zero import init as zero_init
-from shardspeed.zero.offload import OptimizerOffload
-from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
-from shardspeed.zero.swap import AioSettings
-from shardspeed.zero.swap.param_swapper import build_param_tier
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -82,13 +77,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         self._config = config
         self.config = config.raw
         self.mpu = mpu
-        if config.log_level is not None:  # the library logger and its handlers, as DeepSpeed's `log_level`
-            logger.setLevel(config.log_level.upper())
-            for handler in logger.handlers:
-                handler.setLevel(config.log_level.upper())
-        self._holds_python_gc = config.disable_python_gc
-        if self._holds_python_gc:
-            python_gc.acquire()
+        self.process_settings = ProcessSettings(config)  # log_level, disable_python_gc
         # Gradients are averaged, and ZeRO shards, over every rank holding the same parameters: the data ranks,
         # and with sequence parallelism the sequence ranks too; batches are sharded over the data ranks only.
         self.dp_group = _replica_group(mpu)
@@ -149,8 +138,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
                 f"grad_accum={self.gradient_accumulation_steps()} train_batch={self.train_batch_size()}"
             )
             if config.dump_state:
-                import json
-
                 log_dist(
                     "engine config (every key resolved):\n"
                     + json.dumps(config.to_dict(), indent=2, default=str)
@@ -190,108 +177,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer):
         """Wrap the torch optimizer in the stage's wrapper, which owns gradients, masters and the step."""
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        scaler = make_scaler(self._config, self.plan)
-        if self.moe is not None:  # one wrapper per reduction domain (dense, each expert group)
-            wrap = lambda opt, sub, group, owned: self._wrap_params(opt, sub, group, scaler, owned)  # noqa: E731
-            return self.moe.wrap_optimizer(
-                optimizer, named, wrap, scaler=scaler, clip=self.gradient_clipping()
-            )
-        return self._wrap_params(optimizer, named, self.dp_group, scaler)
-
-    def _wrap_params(self, optimizer, named, group, scaler, owned: set[int] | None = None):
-        """The stage's wrapper over the parameters `named`, reduced over `group` (stage 3: `owned` are the
-        ids of the module parameters it partitions, frozen ones included; None for all)."""
-        stage = self.zero_optimization_stage()
-        zero_cfg = self._config.zero_optimization
-        common = dict(plan=self.plan, scaler=scaler, gradient_clipping=self._config.gradient_clipping)
-        comm = dict(
-            group=group,
-            prescale_gradients=self._config.prescale_gradients,
-            gradient_predivide_factor=self._config.gradient_predivide_factor,
-            average=self._config.gradient_allreduce_op == "mean",
-        )
-        if stage == 0:
-            if self._optimizer_offload() is not None:
-                log_dist("zero_optimization.offload_optimizer has no effect at ZeRO stage 0 (it needs stage 1-3)",
-                         level=30)  # fmt: skip
-            by_comm_dtype = lambda p: comm_dtype_of(p, self.plan.comm_dtype)  # noqa: E731
-            layout = bucket_layout([[p for _, p in named]], int(zero_cfg.reduce_bucket_size), by_comm_dtype)
-            reducer = BucketedAllReducer(
-                [params for _, params in layout],
-                accum_dtype=self.plan.grad_accum_dtype,
-                comm_dtype=self.plan.comm_dtype,
-                **comm,
-            )
-            return DataParallelOptimizer(optimizer, named, reducer=reducer, **common)
-        self._check_zero_optimizer(optimizer)
-        common["offload"] = self._optimizer_offload()
-        comm["overlap_comm"] = bool(zero_cfg.overlap_comm)
-        comm["use_reduce_scatter"] = bool(zero_cfg.reduce_scatter)
-        # sub_group_size bounds the elements one optimizer step sees per rank: each bucket or unit is at most
-        # sub_group_size elements per rank.
-        sub_group_numel = int(zero_cfg.sub_group_size) * dist.get_world_size(group)
-        if stage == 3:
-            return zero_stage_3(
-                self.module,
-                optimizer,
-                named,
-                allgather_sequential=zero_cfg.stage3_allgather_sequential,
-                fetch_with_all_reduce=zero_cfg.stage3_use_all_reduce_for_fetch_params,
-                log_order_changes=zero_cfg.log_trace_cache_warnings,
-                owned=owned,
-                unit_numel=self._stage3_unit_numel(sub_group_numel),
-                persistence_threshold=int(zero_cfg.stage3_param_persistence_threshold),
-                model_persistence_threshold=int(zero_cfg.stage3_model_persistence_threshold),
-                prefetch_numel=int(zero_cfg.stage3_prefetch_bucket_size),
-                max_live_numel=int(zero_cfg.stage3_max_live_parameters),
-                max_reuse_distance=int(zero_cfg.stage3_max_reuse_distance),
-                param_tier=build_param_tier(
-                    zero_cfg.offload_param,
-                    AioSettings.from_config(self._config.aio),
-                    self.module,
-                    self.dp_group,
-                ),
-                **common,
-                **comm,
-            )
-        wrapper = zero_stage_1_2(
-            optimizer,
-            named,
-            stage=stage,
-            bucket_numel=min(int(zero_cfg.reduce_bucket_size), sub_group_numel),
-            allgather_numel=int(zero_cfg.allgather_bucket_size),
-            **common,
-            **comm,
-        )
-        wrapper.compute_grad_norm = zero_cfg.compute_grad_norm
-        return wrapper
-
-    def _optimizer_offload(self) -> OptimizerOffload | None:
-        block = self._config.zero_optimization.offload_optimizer
-        if block is None or block.device == "none":
-            return None
-        return OptimizerOffload(
-            block.device, block.nvme_path, block.pin_memory, block.buffer_count, block.pipeline_read,
-            block.pipeline_write, AioSettings.from_config(self._config.aio),
-        )  # fmt: skip
-
-    def _stage3_unit_numel(self, sub_group_numel: int) -> int:
-        """Largest unit gathered whole: the prefetch/bucket/sub-group sizes, and at most a quarter of the
-        model, so that even a small model spans several units and gathers overlap the compute of earlier ones."""
-        zero_cfg = self._config.zero_optimization
-        total = sum(zero_init.logical_numel(p) for p in {id(p): p for p in self.module.parameters()}.values())
-        limits = (zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size, sub_group_numel)
-        return int(min(*limits, max(1, total // 4)))
-
-    def _check_zero_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if is_zero_tested_optimizer(optimizer) or self._config.zero_allow_untested_optimizer:
-            return
-        raise ConfigError(
-            f"zero_allow_untested_optimizer: {type(optimizer).__name__} is not known to work with ZeRO, which "
-            "steps flat shards instead of whole tensors (a per-tensor rule such as LAMB's trust ratio would "
-            'apply per shard). Use Adam/AdamW/Adagrad/Lion, or set "zero_allow_untested_optimizer": true.'
-        )
+        return wrap_optimizer(self, optimizer)
 
     # -- the training loop ---------------------------------------------------------------------------------
 
@@ -505,9 +391,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             self.optimizer.remove_hooks()
             if hasattr(self.optimizer, "close_offload"):
                 self.optimizer.close_offload()
-        if self._holds_python_gc:
-            self._holds_python_gc = False
-            python_gc.release()
+        self.process_settings.release()
 
 
 def _replica_group(mpu):

@@ -1,4 +1,4 @@
-"""`disable_python_gc`: Python's automatic cyclic garbage collection off while an engine lives.
+"""`disable_python_gc`: Python's automatic cyclic garbage collection off while an engine lives; `log_level`.
 
 The collector pauses every thread at unpredictable moments to scan all container objects; with millions of
 tensors' Python objects a pass can take long enough to stall one rank and, through the next collective,
@@ -16,7 +16,7 @@ import threading
 
 from shardspeed.utils.logging import log_dist
 
-__all__ = ["PythonGC", "python_gc"]
+__all__ = ["ProcessSettings", "PythonGC", "python_gc"]
 
 
 class PythonGC:
@@ -65,3 +65,25 @@ class PythonGC:
 
 
 python_gc = PythonGC()
+
+
+class ProcessSettings:
+    """What an engine's config sets for the whole process: `log_level` (the library logger and its handlers,
+    as DeepSpeed's) and `disable_python_gc` (held until `release()`, which `engine.destroy()` calls)."""
+
+    def __init__(self, config):
+        from shardspeed.utils.logging import logger
+
+        if config.log_level is not None:
+            level = config.log_level.upper()
+            logger.setLevel(level)
+            for handler in logger.handlers:
+                handler.setLevel(level)
+        self._holds_gc = config.disable_python_gc
+        if self._holds_gc:
+            python_gc.acquire()
+
+    def release(self) -> None:
+        if self._holds_gc:
+            self._holds_gc = False
+            python_gc.release()

@@ -140,6 +140,8 @@ CONTEXT = {
     "data_types.param_dtype": {"fp16": {"enabled": True}},
     "zero_optimization.offload_param": {"zero_optimization": {"stage": 3}},
     "zero_optimization.cpu_offload_param": {"zero_optimization": {"stage": 3}},
+    "zero_optimization.cpu_offload": {"zero_optimization": {"stage": 2}},
+    "zero_optimization.offload_optimizer": {"zero_optimization": {"stage": 2}},
     "tensor_parallel.tp.tp_size": {"tensor_parallel": {"autotp_size": 2}},
     "optimizer": {"optimizer": {"type": "AdamW"}},
     "scheduler": {"scheduler": {"type": "WarmupLR"}},
