@@ -48,9 +48,9 @@ def _announced_world_size(model, mpu, distributed_port: int) -> int:
     return discover(distributed_port=distributed_port).world_size
 
 
-def _data_world_size(source, world: int, mpu) -> int:
+def _data_world_size(raw: dict, world: int, mpu) -> int:
     """The data-parallel degree: the world size over `sequence_parallel_size` (checked to divide it)."""
-    sp = read_config_source(source).get("sequence_parallel_size", 1)
+    sp = raw.get("sequence_parallel_size", 1)
     if mpu is not None or not isinstance(sp, int) or sp <= 1:
         return world  # an mpu answers for itself; a bad value is reported by load_config
     if world % sp != 0:
@@ -58,13 +58,22 @@ def _data_world_size(source, world: int, mpu) -> int:
     return world // sp
 
 
-def _with_mesh(source, mesh_param):
+def _check_data_parallel_size(cfg) -> None:
+    """`data_parallel_size` (DeepSpeed's mesh key) must be the data-parallel size this job has."""
+    if cfg.data_parallel_size not in (None, cfg.world_size):
+        raise ConfigError(
+            f"data_parallel_size: {cfg.data_parallel_size} but this job has {cfg.world_size} data-parallel "
+            f"ranks (world size / sequence_parallel_size {cfg.sequence_parallel_size}"
+            f"{' / tensor_parallel.autotp_size' if cfg.tensor_parallel.size > 1 else ''})"
+        )
+
+
+def _with_mesh(raw: dict, mesh_param) -> dict:
     """DeepSpeed's `mesh_param=(data, sequence)`: the config with that `sequence_parallel_size`."""
     if mesh_param is None:
-        return source
+        return raw
     if len(mesh_param) != 2:
         raise ValueError(f"mesh_param must be (data_parallel_size, sequence_parallel_size), got {mesh_param}")
-    raw = read_config_source(source)
     if raw.get("sequence_parallel_size", mesh_param[1]) != mesh_param[1]:
         raise ConfigError(f"sequence_parallel_size: {raw['sequence_parallel_size']} but mesh_param asks for "
                           f"{mesh_param[1]}; give one of them")  # fmt: skip
@@ -93,16 +102,19 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs a model")
-    source = _with_mesh(_config_source(args, config, config_params), mesh_param)
+    # The config is read (file, base64 or dict) once here; from then on the dict and the typed plan built
+    # from it (`ShardspeedConfig`) are all that is used.
+    raw = _with_mesh(read_config_source(_config_source(args, config, config_params)), mesh_param)
     if model_parameters is not None and not isinstance(model_parameters, (list, tuple, dict, Tensor)):
         # `model.parameters()` is a generator: the config check below and the optimizer both read it
         model_parameters = list(model_parameters)
     # A bad config is refused before a process group (or anything else) exists: validated at the world
     # size the launcher announces, its optimizer and scheduler blocks tried on a throwaway parameter.
-    source, tp_size = merge_tp_model_init(source, model)  # batch sizes count data-parallel replicas only
+    raw, tp_size = merge_tp_model_init(raw, model)  # batch sizes count data-parallel replicas only
     announced = _announced_world_size(model, mpu, distributed_port)
     world = announced if mpu is not None else data_parallel_world(announced, tp_size)
-    cfg = load_config(source, world_size=_data_world_size(source, world, mpu))
+    cfg = load_config(raw, world_size=_data_world_size(raw, world, mpu))
+    _check_data_parallel_size(cfg)
     check_config_blocks(cfg, optimizer, lr_scheduler, model_parameters)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
@@ -127,7 +139,8 @@ def initialize(
                          f"({dist.get_world_size()})")  # fmt: skip
     world = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
     if world != cfg.world_size:
-        cfg = load_config(source, world_size=world)
+        cfg = load_config(cfg, world_size=world)  # the batch triple re-resolved from the same dict
+        _check_data_parallel_size(cfg)
     if engine_class is not ShardspeedEngine:
         mpu = None  # the pipeline engine takes the grid from the module
     engine = engine_class(

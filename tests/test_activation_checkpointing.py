@@ -104,6 +104,23 @@ def test_non_tensor_and_none_arguments_and_results():
     assert torch.allclose(lin.weight.grad, 2.0 * x.detach().sum(0).expand(4, 4))
 
 
+@pytest.mark.parametrize("api", ["checkpoint", "non_reentrant_checkpoint"])
+def test_keyword_arguments_reach_the_function_and_keyword_tensors_get_gradients(api):
+    # DeepSpeed's checkpoint(fn, *args, **kwargs): a tensor passed by keyword takes part in autograd.
+    lin = nn.Linear(4, 4)
+
+    def block(x, *, bias, scale=1.0):
+        return lin(x) * scale + bias
+
+    x, bias = torch.randn(3, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    getattr(checkpointing, api)(block, x, bias=bias, scale=3.0).sum().backward()
+    got = (x.grad.clone(), bias.grad.clone(), lin.weight.grad.clone())
+    x.grad = bias.grad = lin.weight.grad = lin.bias.grad = None
+    block(x, bias=bias, scale=3.0).sum().backward()
+    assert all(torch.equal(g, r) for g, r in zip(got, (x.grad, bias.grad, lin.weight.grad)))
+    assert torch.equal(bias.grad, torch.full((4,), 3.0))
+
+
 def test_inputs_that_do_not_require_grad_still_train_parameters():
     blocks = make_blocks(dropout=0.0)
     x = torch.randn(8, 16)  # e.g. embeddings of a frozen layer

@@ -194,8 +194,10 @@ def test_tampered_and_interrupted_checkpoints(tmp_path):
         )
         assert res["missing explicit tag unchanged"]
         assert res["good loads"]
-    # A fault only rank 1 reads first is reported on rank 0 too, naming the rank that found it.
-    assert results[0]["code-running pickle"].startswith("rank 1: ")
+    # A fault only rank 1 reads first is reported on rank 0 too, naming the rank that found it: the same
+    # error on every rank.
+    assert results[0]["code-running pickle"].startswith("load_checkpoint failed on rank 1: ")
+    assert results[0]["code-running pickle"] == results[1]["code-running pickle"]
     assert not marker.exists()
 
     # Interrupted saves: the old copy of a re-saved tag, left aside, loads; `latest` naming a tag whose save

@@ -13,10 +13,17 @@ Layout (stage 0), compatible in names with DeepSpeed's (reference §3):
 Both calls are collective: every rank must call them. A checkpoint saved at another data-parallel world
 size, ZeRO stage or bucket layout is resharded on load (`_load_resharded`, via checkpoint/universal.py);
 one saved by the same layout takes the fast path that resumes bit for bit. See docs/checkpoints.md.
+
+A save never hangs on bad input: its steps (checking the arguments and client state, agreeing on one tag,
+making the staging folder, writing every rank's files, publishing) each end in `agree` (checkpoint/agree.py),
+so a step that fails on one rank raises the same error on every rank at once. Nothing is published unless
+every rank wrote its files: a failed save removes its staging folder and leaves the previous checkpoint and
+`latest` as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 from pathlib import Path
@@ -26,6 +33,7 @@ import torch.distributed as dist
 
 from shardspeed.checkpoint import files, verify
 from shardspeed.checkpoint import tensor_parallel as tp_files
+from shardspeed.checkpoint.agree import TagMismatchError, agree
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.comm.collectives import all_gather_strings
 from shardspeed.utils.logging import log_dist
@@ -70,16 +78,42 @@ def _as_tuples(obj):
     return tuple(_as_tuples(o) for o in obj) if isinstance(obj, (list, tuple)) else obj
 
 
-def _validate_tag(engine, tag: str) -> None:
-    tags = all_gather_strings(str(tag), engine.device)
+def _agree_on_place(engine, save_dir: Path, tag: str) -> str:
+    """The one tag every rank saves under: rank 0's (collective). Every rank must name the same folder; ranks
+    that passed different tags are an error under `checkpoint.tag_validation: "Fail"`, a warning under "Warn",
+    and silent under "Ignore"."""
+    places = [p.split("\x1f") for p in all_gather_strings(f"{save_dir}\x1f{tag}", engine.device)]
+    folders, tags = [str(Path(f).resolve()) for f, _ in places], [t for _, t in places]
+    if len(set(folders)) > 1:
+        shown = ", ".join(f"rank {r}: {f!r}" for r, f in enumerate(folders))
+        raise ValueError(
+            f"save_checkpoint: save_dir differs across ranks ({shown}); every rank saves into one folder"
+        )
     if len(set(tags)) == 1:
-        return
+        return tag
     mode = engine._config.checkpoint.tag_validation
-    message = f"checkpoint tag differs across ranks: {sorted(set(tags))}"
+    message = (
+        f"checkpoint tag differs across ranks ({', '.join(f'rank {r}: {t!r}' for r, t in enumerate(tags))}); "
+        "a tag must not depend on the rank"
+    )
     if mode == "Fail":
-        raise CheckpointError(message)
+        raise TagMismatchError(f"save_checkpoint: {message} (checkpoint.tag_validation is Fail)")
     if mode == "Warn":
-        log_dist(message, ranks=[0], level=30)
+        log_dist(f"{message}; saving every rank's files under rank 0's tag {tags[0]!r}", ranks=[0], level=30)
+    return tags[0]
+
+
+def _checked_arguments(engine, save_dir, tag, client_state) -> tuple[Path, str]:
+    """This rank's save folder and tag, after checking the arguments and that `client_state` will load."""
+    if save_dir is None or (isinstance(save_dir, str) and not save_dir.strip()):
+        raise ValueError(f"save_checkpoint: save_dir must name a folder, got {save_dir!r}")
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or "/" in tag or tag.startswith("."):
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain folder name")
+    if not isinstance(client_state, dict):
+        raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
+    files.check_loadable(client_state, "client_state")
+    return Path(save_dir), tag
 
 
 def shared_params(module) -> dict[str, str]:
@@ -160,36 +194,55 @@ def _stage_wrappers(engine) -> list:
     return [d.wrapper for d in domains] if domains is not None else [engine.optimizer]
 
 
-def begin_save(engine, save_dir, tag, client_state: dict) -> tuple[Path, str, Path]:
-    """Check the tag and client state, and make an empty staging folder (collective). Returns the save
-    folder, the tag and the staging folder every rank writes its files into."""
-    save_dir = Path(save_dir)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if "/" in tag or tag.startswith("."):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name")
-    files.check_loadable(client_state, "client_state")
-    _validate_tag(engine, tag)
+@contextlib.contextmanager
+def saving(engine, save_dir, tag, client_state, save_latest: bool):
+    """Around the writes of one save (collective): yields `(save_dir, tag, staging)`, the folder every rank
+    writes its files into; after the block, once every rank has written its files, rank 0 publishes them.
+    Each step is agreed by every rank (`agree`): a failure anywhere raises the same error everywhere and
+    removes the staging folder, publishing nothing."""
+    device = engine.device
+    save_dir, tag = agree("save_checkpoint", lambda: _checked_arguments(engine, save_dir, tag, client_state),
+                          device)  # fmt: skip
+    tag = agree("save_checkpoint", lambda: _agree_on_place(engine, save_dir, tag), device)
     staging = files.staging_dir(save_dir, tag)
-    if dist.get_rank() == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
-        staging.mkdir()
-    dist.barrier()
-    return save_dir, tag, staging
+    leader = dist.get_rank() == 0
 
+    def make_staging() -> None:
+        if leader:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+            staging.mkdir()
 
-def finish_save(save_dir: Path, tag: str, staging: Path, save_latest: bool) -> None:
-    """Once every rank has written its files: rank 0 publishes the tag (collective)."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _publish(save_dir, tag, staging, save_latest)
-    dist.barrier()
+    agree("save_checkpoint", make_staging, device)
+    written: BaseException | None = None
+    try:
+        yield save_dir, tag, staging
+    except Exception as err:  # agreed just below, so every rank stops here together
+        written = err
+    try:
+        agree("save_checkpoint", written, device)  # every rank's files are written, or no rank goes on
+        agree(
+            "save_checkpoint",
+            lambda: _publish(save_dir, tag, staging, save_latest) if leader else None,
+            device,
+        )
+    except Exception:
+        if leader:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def save_checkpoint(
     engine, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool
 ) -> bool:
-    save_dir, tag, staging = begin_save(engine, save_dir, tag, client_state)
+    with saving(engine, save_dir, tag, client_state, save_latest) as (save_dir, tag, staging):
+        _write_files(engine, staging, client_state, exclude_frozen)
+    log_dist(f"saved checkpoint {save_dir / tag}")
+    return True
+
+
+def _write_files(engine, staging: Path, client_state: dict, exclude_frozen: bool) -> None:
+    """This rank's files of the checkpoint (no collective in here: see `saving`)."""
     rank = dist.get_rank()
     if engine.dp_rank == 0:
         files.save_file(
@@ -207,9 +260,6 @@ def save_checkpoint(
             partition, staging / files.zero_optim_states_name(engine.dp_rank, tp_files.mp_rank(engine))
         )
     files.save_file(_rng_state(), staging / files.rng_states_name(rank))
-    finish_save(save_dir, tag, staging, save_latest)
-    log_dist(f"saved checkpoint {save_dir / tag}")
-    return True
 
 
 def _publish(save_dir: Path, tag: str, staging: Path, save_latest: bool) -> None:
@@ -243,7 +293,7 @@ def load_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_s
         _check_names_and_shapes(engine, state, strict, path)
         verify.check_consistent(engine, path, state, partitions_needed)
 
-    opened = verify.open_checkpoint(engine, Path(load_dir), tag, check)
+    opened = verify.open_checkpoint(engine, load_dir, tag, check)
     if opened is None:
         return None, None
     # From here on the live model and optimizer are changed: every check above has passed on every rank.

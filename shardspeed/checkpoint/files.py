@@ -88,7 +88,10 @@ def save_file(obj, path: Path) -> None:
 def check_loadable(obj, what: str) -> None:
     """Refuse, before anything is written, state that a weights-only load could not read back."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    try:
+        torch.save(obj, buffer)
+    except Exception as err:  # e.g. a lambda or an open file: nothing a checkpoint can hold
+        raise TypeError(f"{what} cannot be saved ({type(err).__name__}: {err})") from err
     buffer.seek(0)
     try:
         torch.load(buffer, weights_only=True)

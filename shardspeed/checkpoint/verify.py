@@ -2,9 +2,10 @@
 
 `open_checkpoint` finds the checkpoint (`latest` or an explicit tag), reads its model-states file and runs
 `check_consistent` on it — on every rank, before the model, optimizer or counters are touched — then all
-ranks exchange their verdicts. Either every rank goes on to load, or every rank raises the same
-`CheckpointError` (naming the rank that found the problem, the file and what is wrong with it), or every
-rank reports that there is no checkpoint. A problem only one rank can see (its own partition file) thus
+ranks exchange their verdicts (checkpoint/agree.py). Either every rank goes on to load, or every rank
+raises the same error (naming the rank that found the problem, the file and what is wrong with it: a
+`CheckpointError`, or the `ValueError`/`OSError` a bad argument or an unreadable folder gave), or every
+rank reports that there is no checkpoint (a missing or empty folder, as DeepSpeed: `(None, None)`). A problem only one rank can see (its own partition file) thus
 never leaves the others waiting in a collective, nor half of the job loaded.
 
 What is checked: every file the load will read exists, is a file, is not empty, is not truncated and
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardspeed.checkpoint import files
+from shardspeed.checkpoint.agree import agree
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.comm.collectives import all_gather_strings
 from shardspeed.utils.logging import logger
@@ -33,34 +35,30 @@ def _partition_pattern(mp_rank: int) -> re.Pattern:
 
 
 _RNG = re.compile(r"rng_states_rank_(\d+)\.pt")
-_OK, _ABSENT, _ERROR = "ok", "absent", "error"
 
 
-def open_checkpoint(engine, load_dir: Path, tag, check: Callable[[Path, dict], None]):
+def open_checkpoint(engine, load_dir, tag, check: Callable[[Path, dict], None]):
     """`(path, model_states)` of the checkpoint to load, or None when there is none (every rank agrees).
 
-    `check(path, model_states)` runs the consistency checks on this rank; any CheckpointError it (or the
-    reading) raises on any rank is raised on every rank."""
-    opened = None
-    try:
-        opened = _find(load_dir, tag, _mp_rank(engine))
-        if opened is None:
-            verdict = f"{_ABSENT}:"
-        else:
+    `check(path, model_states)` runs the consistency checks on this rank; any error it, the arguments or the
+    reading raise on any rank is raised on every rank."""
+
+    def find_and_check():
+        if load_dir is None or (isinstance(load_dir, str) and not load_dir.strip()):
+            raise ValueError(f"load_checkpoint: load_dir must name a folder, got {load_dir!r}")
+        if Path(load_dir).exists() and not Path(load_dir).is_dir():
+            raise NotADirectoryError(f"load_checkpoint: {load_dir} is a file, not a checkpoint folder")
+        opened = _find(Path(load_dir), tag, _mp_rank(engine))
+        if opened is not None:
             check(*opened)
-            verdict = f"{_OK}:"
-    except CheckpointError as err:
-        verdict = f"{_ERROR}:{err}"
-    verdicts = all_gather_strings(verdict, engine.device)
-    kinds = [v.split(":", 1)[0] for v in verdicts]
-    if _ERROR in kinds:
-        rank = kinds.index(_ERROR)
-        message = verdicts[rank].split(":", 1)[1]
-        raise CheckpointError(message if rank == engine.global_rank else f"rank {rank}: {message}")
-    if _ABSENT in kinds and _OK in kinds:
+        return opened
+
+    opened = agree("load_checkpoint", find_and_check, engine.device)
+    found = all_gather_strings("1" if opened is not None else "", engine.device)
+    if any(found) and not all(found):
         raise CheckpointError(
-            f"ranks disagree on whether there is a checkpoint in {load_dir} (rank {kinds.index(_ABSENT)} finds "
-            f"none, rank {kinds.index(_OK)} finds one): is the folder on storage every rank sees?"
+            f"ranks disagree on whether there is a checkpoint in {load_dir} (rank {found.index('')} finds none, "
+            f"rank {found.index('1')} finds one): is the folder on storage every rank sees?"
         )
     return opened
 

@@ -133,14 +133,18 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
-def checkpoint(function, *args):
-    """Run `function(*args)` keeping only its inputs; recompute it in backward (DeepSpeed's reentrant form).
+def checkpoint(function, *args, **kwargs):
+    """Run `function(*args, **kwargs)` keeping only its inputs; recompute it in backward (DeepSpeed's
+    reentrant form).
 
-    Arguments and results may include non-tensors and None. Returns what `function` returns (a tuple is
-    returned as a tuple).
+    Arguments (positional or keyword) and results may include non-tensors and None; a tensor passed by
+    keyword gets its gradient like a positional one. Returns what `function` returns (a tuple is returned as
+    a tuple).
     """
     if not torch.is_grad_enabled():  # nothing will backpropagate: no reason to save anything
-        return function(*args)
+        return function(*args, **kwargs)
+    if kwargs:  # the Function takes positional inputs only: keyword values travel after the positional ones
+        function, args = _keywords_as_positional(function, args, kwargs)
     settings = state.current()
     anchor = torch.empty(0, requires_grad=True)
     result_kind: dict[str, bool] = {}
@@ -151,6 +155,15 @@ def checkpoint(function, *args):
             + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in settings.timings.items())
         )
     return outputs[0] if result_kind["single"] else outputs
+
+
+def _keywords_as_positional(function, args: tuple, kwargs: dict):
+    names, count = tuple(kwargs), len(args)
+
+    def call(*values):
+        return function(*values[:count], **dict(zip(names, values[count:])))
+
+    return call, (*args, *kwargs.values())
 
 
 def _tracker_contexts():
@@ -170,10 +183,10 @@ def _tracker_contexts():
     return contextlib.nullcontext(), recompute()
 
 
-def non_reentrant_checkpoint(function, *args):
+def non_reentrant_checkpoint(function, *args, **kwargs):
     """`torch.utils.checkpoint` (non-reentrant) with the model-parallel RNG streams restored on recompute."""
     return torch_checkpoint.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_tracker_contexts
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_tracker_contexts, **kwargs
     )
 
 

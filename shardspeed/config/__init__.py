@@ -5,12 +5,12 @@
 
 Modules: ``build`` (generic type checking), ``blocks``/``zero``/``monitoring``/``features`` (the block
 dataclasses), ``schema`` (the top level), ``batch`` (the batch triple), ``deprecated`` (old forms),
-``validate`` (cross-block checks), ``implemented`` (what is built), ``loader`` (sources and order).
+``validate`` (cross-block checks), ``implemented`` (what is built; everything else is refused),
+``loader`` (sources and order).
 """
 
 from .batch import resolve_batch_sizes
 from .blocks import (
-    AmpConfig,
     Bf16Config,
     CheckpointConfig,
     DataTypesConfig,
@@ -27,7 +27,6 @@ from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "IMPLEMENTED",
-    "AmpConfig",
     "Bf16Config",
     "CheckpointConfig",
     "ConfigError",

@@ -13,9 +13,9 @@ from .build import Key, join, show
 from .errors import ConfigError
 
 __all__ = [
-    "AmpConfig",
     "Bf16Config",
     "CheckpointConfig",
+    "CheckpointWriterConfig",
     "DataTypesConfig",
     "DtypeName",
     "Fp16Config",
@@ -89,30 +89,30 @@ class Bf16Config:
     """Train in bf16 with fp32 master weights. Default false."""
     immediate_grad_update: bool = False
     """Apply each gradient to the fp32 accumulator as soon as it is produced. Default false."""
-
-
-@dataclass(kw_only=True)
-class AmpConfig:
-    """``amp``: NVIDIA Apex AMP; every key other than ``enabled`` goes to ``apex.amp.initialize``."""
-
-    EXTRA_KEYS_FIELD: ClassVar[str] = "extra_args"
-
-    enabled: bool = False
-    """Use Apex AMP (incompatible with fp16/bf16 blocks and ZeRO). Default false."""
-    extra_args: dict[str, Any] = field(default_factory=dict)
-    """Every other key of the block, passed through unvalidated (e.g. ``opt_level``)."""
+    check_grad_overflow: bool = True
+    """Skip an optimizer step whose gradients hold inf or nan (counted in skipped_steps). Default true."""
+    bf16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in bf16 instead of fp32 (ZeRO 1-3). Default false."""
+    bf16_optimizer_states: bool = False
+    """Keep optimizer state in bf16 (needs bf16_master_weights_and_grads). Default false."""
 
 
 @dataclass(kw_only=True)
 class TorchAutocastConfig:
-    """``torch_autocast``: run the forward under ``torch.autocast``."""
+    """``torch_autocast``: run the forward under ``torch.autocast``; parameters stay fp32."""
 
     enabled: bool = False
-    """Wrap forward in torch.autocast. Default false."""
+    """Wrap the module's forward in torch.autocast. Default false."""
     dtype: DtypeName | None = None
-    """Autocast dtype; None = bf16/fp16 per device default. Default null."""
+    """Autocast dtype (fp16 or bf16); null = torch's default for the device (bf16 on CPU, fp16 on CUDA)."""
     lower_precision_safe_modules: list[str] | None = None
-    """Module class names (with package) whose weights may be kept in the lower precision. Default null."""
+    """Module classes (``package.Class``) whose parameters' gradients are reduced in the autocast dtype;
+    null = torch.nn Linear, Conv1d, Conv2d and Conv3d. Gradients of all other parameters are reduced in
+    fp32. Default null."""
+
+    def validate(self, path: str) -> None:
+        if self.dtype == "fp32":
+            raise ConfigError(f'{join(path, "dtype")}: must be a lower precision (fp16 or bf16), got "fp32"')
 
 
 @dataclass(kw_only=True)
@@ -157,10 +157,21 @@ class SchedulerConfig:
 
 @dataclass(kw_only=True)
 class DataTypesConfig:
-    """``data_types``: dtypes of internal buffers."""
+    """``data_types``: dtypes of gradient accumulation, parameters and buffers (DeepSpeed 0.19's block)."""
 
     grad_accum_dtype: DtypeName | None = None
     """Dtype gradients accumulate in; null = the model's dtype (bf16 without ZeRO: fp32). Default null."""
+    param_dtype: DtypeName | None = None
+    """Dtype of the module's parameters; must match the precision block (fp16, bf16, else fp32). Default
+    null (follow the precision block)."""
+    buffer_dtype: DtypeName | None = None
+    """Cast the module's floating buffers to this dtype; null = buffers keep the dtype they were loaded in
+    (e.g. an fp32 rotary table stays fp32 under bf16). Default null."""
+    keep_in_fp32_modules: Literal["auto"] | list[str] = "auto"
+    """Buffers kept in fp32 under fp16/bf16 training: "auto" = the model's own Transformers lists
+    (``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules`` under fp16); a list = name patterns
+    (``*`` matches anything, a pattern may match anywhere in the buffer's full name); [] = none.
+    Default "auto"."""
 
 
 @dataclass(kw_only=True)
@@ -169,6 +180,32 @@ class ParallelWriteConfig:
 
     pipeline_stage: bool = False
     """Spread pipeline layer files over data-parallel ranks when saving. Default false."""
+
+
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
+
+
+@dataclass(kw_only=True)
+class CheckpointWriterConfig:
+    """``checkpoint.writer``: DeepSpeed's fast checkpoint writer (present = used, as in DeepSpeed)."""
+
+    ACTIVE_WHEN_PRESENT: ClassVar[bool] = True
+
+    type: Annotated[Literal["MOCK", "PYTHON", "FAST"], Key(normalize=_upper)] = "FAST"
+    """Writer: MOCK, PYTHON or FAST (case-insensitive). Default FAST."""
+    io_buffer_size: PositiveInt = 64 * 2**20
+    """Bytes of the writer's I/O buffer. Default 64 MiB."""
+    io_buffer_double: bool = True
+    """Double-buffer the I/O. Default true."""
+    io_multiplier: PositiveInt = 1
+    """I/O parallelism multiplier. Default 1."""
+    show_statistics: bool = False
+    """Print write statistics. Default false."""
+    data_parallel: Annotated[Literal["REPLICA", "SOCKET", "MACHINE"] | None, Key(normalize=_upper)] = None
+    """Spread writes over data-parallel ranks per REPLICA, SOCKET or MACHINE. Default null."""
+    decoupled: bool = False
+    """Write in the background while training continues. Default false."""
 
 
 def _tag_mode(value: Any) -> Any:
@@ -187,5 +224,7 @@ class CheckpointConfig:
     """Each node's local rank 0 writes model files (node-local disks). Default false."""
     parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig)
     """Parallel checkpoint writing options."""
-    writer: dict[str, Any] | None = None
-    """DeepSpeed's fast checkpoint writer options (free-form, passed through). Default null."""
+    checkpoint_serialization: bool = True
+    """Write with torch's zip serialization; false = DeepSpeed's fast writer's raw layout. Default true."""
+    writer: CheckpointWriterConfig | None = None
+    """DeepSpeed's fast checkpoint writer; null = torch.save. Default null."""

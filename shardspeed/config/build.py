@@ -154,6 +154,7 @@ def build_block(cls: type, data: Any, path: str, ctx: BuildContext) -> Any:
         name = _canonical_name(schema, raw_key, data, path, ctx)
         if name is None:
             extras[raw_key] = copy.deepcopy(value)
+            ctx.given.add(join(path, str(raw_key)))
             continue
         if name in kwargs:
             raise ConfigError(f"{join(path, name)}: given twice (under two alias names); keep one")

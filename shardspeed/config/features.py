@@ -1,7 +1,7 @@
 """Config blocks of features beyond the training core (reference §2.6, §2.7, §2.10, §2.12-§2.14).
 
-Most of these are accepted and checked but not implemented yet: the loader warns when they are used
-(see ``implemented.py``). Defaults are DeepSpeed's code defaults.
+Defaults are DeepSpeed 0.19.8's code defaults. Blocks of features shardspeed does not implement are typed
+here too, so that a config using them is refused naming the key (``implemented.py``), not as unknown.
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "AioConfig",
     "AutotuningConfig",
-    "CurriculumLearningConfig",
+    "CompileConfig",
     "DataEfficiencyConfig",
-    "EigenvalueConfig",
-    "ElasticityConfig",
+    "ExpertParallelConfig",
     "HybridEngineConfig",
     "ModelInfoConfig",
     "PipelineConfig",
-    "ProgressiveLayerDropConfig",
-    "SparseAttentionConfig",
+    "WeightQuantizationConfig",
 ]
 
 
@@ -62,34 +60,6 @@ class AioConfig:
     """Overlap submission and completion of requests. Default true."""
     use_gds: bool = False
     """Use GPUDirect Storage (CUDA only). Default false."""
-
-
-@dataclass(kw_only=True)
-class ElasticityConfig:
-    """``elasticity``: choose batch sizes that stay valid over a range of GPU counts."""
-
-    enabled: bool = False
-    """Compute the batch triple elastically. Default false."""
-    max_train_batch_size: PositiveInt = 2000
-    """Largest acceptable global batch. Default 2000."""
-    micro_batch_sizes: list[PositiveInt] = field(default_factory=lambda: [2, 4, 6])
-    """Acceptable micro-batch sizes. Default [2, 4, 6]."""
-    min_gpus: PositiveInt = 1
-    """Smallest GPU count to support. Default 1."""
-    max_gpus: PositiveInt = 10000
-    """Largest GPU count to support. Default 10000."""
-    min_time: NonNegInt = 0
-    """Minimum running time (minutes) before scaling. Default 0."""
-    prefer_larger_batch: Annotated[bool, Key(aliases=("prefer_large_batch",))] = True
-    """Break ties toward the larger batch (DeepSpeed's docs misspell it prefer_large_batch). Default true."""
-    ignore_non_elastic_batch_info: bool = False
-    """Ignore batch keys given beside elasticity instead of failing. Default false."""
-    version: float = 0.2
-    """Elasticity algorithm version (0.1 or 0.2). Default 0.2."""
-    num_gpus_per_node: PositiveInt = 1
-    """GPUs per node (version 0.2). Default 1."""
-    model_parallel_size: PositiveInt = 1
-    """Model-parallel degree (version 0.2). Default 1."""
 
 
 @dataclass(kw_only=True)
@@ -148,6 +118,10 @@ class AutotuningConfig:
     """Model-parallel degree. Default 1."""
     model_info: ModelInfoConfig | None = None
     """Model facts for the model-based tuner. Default null."""
+    metric_path: str | None = None
+    """Where each experiment writes its metric. Default null."""
+    model_info_path: str | None = None
+    """Where the profiled model facts are written. Default null."""
 
 
 @dataclass(kw_only=True)
@@ -172,40 +146,6 @@ class PipelineConfig:
 
 
 @dataclass(kw_only=True)
-class SparseAttentionConfig:
-    """``sparse_attention``: block-sparse attention layouts (present = used, as in DeepSpeed)."""
-
-    ACTIVE_WHEN_PRESENT: ClassVar[bool] = True
-
-    mode: Literal["dense", "fixed", "variable", "bigbird", "bslongformer"] = "fixed"
-    """Layout family. Default "fixed"."""
-    block: PositiveInt = 16
-    """Block size. Default 16."""
-    different_layout_per_head: bool = False
-    """Different layout per attention head. Default false."""
-    num_local_blocks: PositiveInt = 4
-    """Local window in blocks (fixed). Default 4."""
-    num_global_blocks: PositiveInt = 1
-    """Global blocks (fixed, bigbird). Default 1."""
-    attention: Literal["bidirectional", "unidirectional"] = "bidirectional"
-    """Attention direction. Default "bidirectional"."""
-    horizontal_global_attention: bool = False
-    """Global blocks also attend horizontally. Default false."""
-    num_different_global_patterns: PositiveInt = 1
-    """Distinct global patterns across heads. Default 1."""
-    num_random_blocks: NonNegInt = 0
-    """Random blocks per row (variable, bigbird). Default 0."""
-    local_window_blocks: list[PositiveInt] = field(default_factory=lambda: [4])
-    """Local window sizes in blocks (variable). Default [4]."""
-    global_block_indices: list[NonNegInt] = field(default_factory=lambda: [0])
-    """Global block indices (variable, bslongformer). Default [0]."""
-    global_block_end_indices: list[NonNegInt] | None = None
-    """Ends of global block ranges. Default null."""
-    num_sliding_window_blocks: PositiveInt = 3
-    """Sliding window in blocks (bigbird, bslongformer). Default 3."""
-
-
-@dataclass(kw_only=True)
 class HybridEngineConfig:
     """``hybrid_engine``: switch between training and fast generation (RLHF)."""
 
@@ -221,58 +161,8 @@ class HybridEngineConfig:
     """Pin gathered parameters. Default true."""
     tp_gather_partition_size: PositiveInt = 8
     """Partition size when gathering for tensor parallelism. Default 8."""
-
-
-@dataclass(kw_only=True)
-class ProgressiveLayerDropConfig:
-    """``progressive_layer_drop``: skip transformer layers stochastically during training."""
-
-    enabled: bool = False
-    """Use progressive layer drop. Default false."""
-    theta: float = 1.0
-    """Keep-probability floor. Default 1.0."""
-    gamma: float = 0.001
-    """Decay rate of the keep-probability. Default 0.001."""
-
-
-@dataclass(kw_only=True)
-class EigenvalueConfig:
-    """``eigenvalue``: estimate the Hessian's top eigenvalue per block (MoQ)."""
-
-    enabled: bool = False
-    """Compute eigenvalues. Default false."""
-    verbose: bool = False
-    """Print them. Default false."""
-    max_iter: PositiveInt = 100
-    """Power-iteration steps. Default 100."""
-    tol: float = 0.01
-    """Convergence tolerance. Default 1e-2."""
-    stability: float = 1e-6
-    """Numerical-stability epsilon. Default 1e-6."""
-    gas_boundary_resolution: PositiveInt = 1
-    """Compute every this many accumulation boundaries. Default 1."""
-    layer_name: str = "bert.encoder.layer"
-    """Module path of the layer list. Default "bert.encoder.layer"."""
-    layer_num: NonNegInt = 0
-    """Number of layers. Default 0."""
-
-
-@dataclass(kw_only=True)
-class CurriculumLearningConfig:
-    """``curriculum_learning`` (legacy): sequence-length curriculum passed to forward."""
-
-    enabled: bool = False
-    """Use the curriculum. Default false."""
-    curriculum_type: str = "seqlen"
-    """What grows: "seqlen". Default "seqlen"."""
-    min_difficulty: NonNegInt | None = None
-    """Starting difficulty. Default null."""
-    max_difficulty: NonNegInt | None = None
-    """Final difficulty. Default null."""
-    schedule_type: str | None = None
-    """fixed_linear, fixed_root, fixed_discrete or custom. Default null."""
-    schedule_config: dict[str, Any] = field(default_factory=dict)
-    """Schedule parameters (total_curriculum_step, difficulty_step, ...). Default {}."""
+    enable_cuda_graph: bool = False
+    """Capture generation in CUDA graphs. Default false."""
 
 
 @dataclass(kw_only=True)
@@ -287,3 +177,79 @@ class DataEfficiencyConfig:
     """Data routing (random_ltd) options, passed through. Default {}."""
     data_sampling: dict[str, Any] = field(default_factory=dict)
     """Data sampling (curriculum) options, passed through. Default {}."""
+
+
+@dataclass(kw_only=True)
+class CompileConfig:
+    """``compile``: DeepSpeed 0.19's DeepCompile options. ``engine.compile()`` (torch.compile of the module)
+    needs none of them; every key here is a DeepCompile pass or option."""
+
+    deepcompile: bool = False
+    """Compile with DeepSpeed's own graph passes (ZeRO inside the compiled graph). Default false."""
+    autoep_non_moe: bool = False
+    """Compile the parents of AutoEP layers, keeping AutoEP eager. Default false."""
+    free_activation: bool = False
+    """Free activations eagerly. Default false."""
+    free_activation_threshold: NonNegInt = 10 * 2**20
+    """Bytes from which activations are freed eagerly. Default 10 MiB."""
+    offload_activation: bool = False
+    """Move saved activations to host memory between forward and backward. Default false."""
+    offload_activation_pin_memory: bool = True
+    """Pin the host buffers of offload_activation. Default true."""
+    offload_opt_states: bool = False
+    """Offload optimizer state to host memory during forward/backward. Default false."""
+    double_buffer: bool = True
+    """Double-buffer parameter gathers. Default true."""
+    symmetric_memory: bool = False
+    """Use symmetric memory. Default false."""
+    debug_log: bool = False
+    """Dump graphs. Default false."""
+    offload_parameters: bool = False
+    """Offload parameters. Default false."""
+    sync_before_reduce: bool = False
+    """Synchronise before each reduction. Default false."""
+    sync_after_reduce: bool = False
+    """Synchronise after each reduction. Default false."""
+    sync_before_allgather: bool = False
+    """Synchronise before each all-gather. Default false."""
+    sync_after_allgather: bool = False
+    """Synchronise after each all-gather. Default false."""
+    keep_int_input_tensors: bool = True
+    """Keep real values of integer inputs when recording. Default true."""
+    keep_all_input_tensors: bool = False
+    """Keep real values of all inputs when recording. Default false."""
+    passes: list[Literal["z1", "z3", "autosp", "autotp"]] | None = None
+    """DeepCompile passes to compose. Default null."""
+
+
+@dataclass(kw_only=True)
+class ExpertParallelConfig:
+    """``expert_parallel``: DeepSpeed 0.19's AutoEP (automatic expert parallelism of Hugging Face MoE models).
+
+    Only ``enabled`` is typed; the block's many other keys (``autoep_size``, ``preset_model``, ...) are kept
+    as given and have effect only when it is enabled."""
+
+    EXTRA_KEYS_FIELD: ClassVar[str] = "options"
+
+    enabled: bool = False
+    """Replace the model's MoE layers with AutoEP layers. Default false."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Every other key of the block, as given."""
+
+
+@dataclass(kw_only=True)
+class WeightQuantizationConfig:
+    """``weight_quantization``: quantized weights at zero.Init / after initialisation (on when present)."""
+
+    enabled: bool = True
+    """Quantize. Default true (the block's presence turns it on, as in DeepSpeed)."""
+    num_bits: PositiveInt = 8
+    """Bits per weight. Default 8."""
+    q_type: Literal["symmetric", "asymmetric"] = "symmetric"
+    """Quantization type. Default "symmetric"."""
+    q_groups: PositiveInt = 1
+    """Quantization groups. Default 1."""
+    quantized_initialization: dict[str, Any] = field(default_factory=dict)
+    """Quantize at zero.Init. Default {}."""
+    post_init_quant: dict[str, Any] = field(default_factory=dict)
+    """Quantize after initialisation. Default {}."""

@@ -1,8 +1,9 @@
 """``load_config``: from a dict, a JSON/HJSON file or a base64 string to a validated ``ShardspeedConfig``.
 
-Order of work: read the source -> drop or refuse "auto" values -> map deprecated forms -> build and type-check
-every block -> cross-block checks -> resolve the batch triple -> warn (deprecations, then one warning
-naming every set key of a feature that is not implemented yet). The caller's dict is never modified.
+Order of work: read the source -> refuse keys DeepSpeed 0.19 removed -> drop or refuse "auto" values -> map
+deprecated forms -> build and type-check every block -> cross-block checks -> refuse set keys of features
+that are not implemented (one error naming them all) -> resolve the batch triple -> warn about deprecations.
+No key is accepted and ignored. The caller's dict is never modified.
 """
 
 from __future__ import annotations
@@ -21,13 +22,23 @@ from .batch import resolve_batch_sizes
 from .build import BuildContext, ConfigWarning, build_block, join, show
 from .deprecated import map_deprecated
 from .errors import ConfigError
-from .implemented import unimplemented_keys
+from .implemented import refuse_removed, refuse_unsupported
 from .schema import ShardspeedConfig
+from .validate import check_all
 
 __all__ = ["load_config", "parse_config_text", "read_config_source"]
 
 # Keys where "auto" is a value DeepSpeed itself understands, not an integration placeholder.
-NATIVE_AUTO_KEYS = frozenset({"pipeline.stages", "pipeline.virtual_stages"})
+NATIVE_AUTO_KEYS = frozenset(
+    {
+        "pipeline.stages",
+        "pipeline.virtual_stages",
+        "data_types.keep_in_fp32_modules",
+        "zero_optimization.zenflow.select_strategy",
+        "zero_optimization.zenflow.select_interval",
+        "zero_optimization.zenflow.update_interval",
+    }
+)
 # Blocks whose values go straight into an optimizer or schedule constructor: an "auto" left there cannot
 # fall back to a default without silently changing the training (DeepSpeed would crash inside torch).
 STRICT_AUTO_BLOCKS = ("optimizer", "scheduler")
@@ -38,13 +49,15 @@ _NOT_BASE64 = set("/\\.{}\n\t :\"'")
 def load_config(config: Any, world_size: int = 1) -> ShardspeedConfig:
     """Load, validate and resolve a DeepSpeed config.
 
-    ``config``: a dict, a path to a JSON/HJSON file (comments allowed), a urlsafe-base64 string of
-    JSON, or a ``ShardspeedConfig`` (re-resolved for ``world_size``). ``world_size``: data-parallel
-    size used for the batch arithmetic. Raises ``ConfigError``; warns with ``ConfigWarning``.
+        ``config``: a dict, a path to a JSON/HJSON file (comments allowed), a urlsafe-base64 string of
+        JSON, or a ``ShardspeedConfig`` (re-resolved for ``world_size``). ``world_size``: data-parallel
+        size used for the batch arithmetic. Raises ``ConfigError`` (also for a key of a feature that is not
+    implemented); warns with ``ConfigWarning`` (deprecated forms).
     """
     if isinstance(config, ShardspeedConfig):
         config = config.raw
     raw = copy.deepcopy(read_config_source(config))
+    refuse_removed(raw)
     dropped = drop_auto(raw, "")
     ctx = BuildContext()
     if dropped:
@@ -52,6 +65,8 @@ def load_config(config: Any, world_size: int = 1) -> ShardspeedConfig:
             '"auto" left unfilled, so the default is used (as DeepSpeed does) for: ' + ", ".join(dropped)
         )
     cfg = build_block(ShardspeedConfig, map_deprecated(copy.deepcopy(raw), ctx), "", ctx)
+    check_all(cfg)
+    refuse_unsupported(cfg, ctx.given)
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
         resolve_batch_sizes(
             cfg.train_batch_size,
@@ -63,15 +78,19 @@ def load_config(config: Any, world_size: int = 1) -> ShardspeedConfig:
     cfg.raw, cfg.world_size = raw, world_size
     for note in ctx.notes:
         warnings.warn(note, ConfigWarning, stacklevel=2)
-    unimplemented = unimplemented_keys(cfg, ctx.given)
-    if unimplemented:
-        warnings.warn(
-            "these DeepSpeed keys are accepted but not implemented yet and have no effect: "
-            + ", ".join(unimplemented),
-            ConfigWarning,
-            stacklevel=2,
-        )
+    _warn_vocabulary_size(cfg.vocabulary_size)
     return cfg
+
+
+def _warn_vocabulary_size(size: int | None) -> None:
+    """DeepSpeed's one use of `vocabulary_size`: a hint that tensor cores want multiples of 8."""
+    if size is not None and size % 8:
+        warnings.warn(
+            f"vocabulary_size {size} is not a multiple of 8; padding it to one can make the embedding and "
+            "output layers faster on GPUs (tensor cores)",
+            ConfigWarning,
+            stacklevel=3,
+        )
 
 
 def read_config_source(config: Any) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """``ShardspeedConfig``: the whole DeepSpeed JSON config as one typed object (reference §2).
 
 Each top-level key is a field; blocks are the dataclasses of ``blocks.py``, ``zero.py``, ``monitoring.py``
-and ``features.py``. Build it with ``load_config`` (``loader.py``), which also resolves the batch triple,
-maps deprecated keys and warns about keys of features not implemented yet.
+and ``features.py``. Build it with ``load_config`` (``loader.py``), which also maps deprecated keys, runs the
+cross-block checks (``validate.py``), resolves the batch triple and refuses keys of features shardspeed does
+not implement (``implemented.py``). Keys DeepSpeed 0.19 removed are not fields: ``implemented.py`` refuses
+them with DeepSpeed's own reason.
 """
 
 from __future__ import annotations
@@ -10,11 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from . import validate as cross_checks
 from .blocks import (
-    AmpConfig,
     Bf16Config,
     CheckpointConfig,
     DataTypesConfig,
@@ -32,14 +32,12 @@ from .features import (
     ActivationCheckpointingConfig,
     AioConfig,
     AutotuningConfig,
-    CurriculumLearningConfig,
+    CompileConfig,
     DataEfficiencyConfig,
-    EigenvalueConfig,
-    ElasticityConfig,
+    ExpertParallelConfig,
     HybridEngineConfig,
     PipelineConfig,
-    ProgressiveLayerDropConfig,
-    SparseAttentionConfig,
+    WeightQuantizationConfig,
 )
 from .monitoring import (
     CometConfig,
@@ -63,6 +61,17 @@ def _infinity_means_never(value: Any) -> Any:
     return value
 
 
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _false_means_off(value: Any) -> Any:
+    return None if value is False else value
+
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
 __all__ = ["ShardspeedConfig"]
 
 FreeForm = dict[str, Any] | None
@@ -79,14 +88,15 @@ class ShardspeedConfig:
     """Samples per rank per forward/backward."""
     gradient_accumulation_steps: PositiveInt | None = None
     """Micro-batches per optimizer step."""
+    managed_gradient_accumulation: bool = True
+    """True: the engine counts micro-steps and steps the optimizer at the boundary. False: the script owns
+    the boundary and every ``step()`` applies an update. Default true."""
 
     # ---- precision (§2.2) ----
     fp16: Fp16Config = field(default_factory=Fp16Config)
     """fp16 training with loss scaling."""
     bf16: Annotated[Bf16Config, Key(aliases=("bfloat16",))] = field(default_factory=Bf16Config)
     """bf16 training (legacy name "bfloat16" accepted)."""
-    amp: AmpConfig = field(default_factory=AmpConfig)
-    """NVIDIA Apex AMP."""
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     """torch.autocast around forward."""
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
@@ -111,16 +121,16 @@ class ShardspeedConfig:
     """Divide by this before the all-reduce and by world/factor after. Default 1.0."""
     communication_data_type: DtypeName | None = None
     """Dtype of gradient communication: fp32, fp16, bf16; null = the model's dtype."""
-    seq_parallel_comm_data_type: DtypeName = "fp32"
-    """Dtype of sequence-parallel communication. Default fp32."""
-    sparse_gradients: bool = False
-    """Reduce embedding gradients as sparse tensors. Default false."""
+    seq_parallel_communication_data_type: DtypeName = "fp32"
+    """Dtype of gradient communication under sequence parallelism (sequence_parallel_size > 1), where it
+    replaces communication_data_type. Default fp32."""
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], Key(normalize=_lower)] = "mean"
+    """How data-parallel gradients combine: "mean" (averaged over ranks) or "sum" (not allowed at ZeRO
+    stage 3). Default "mean"."""
     disable_allgather: bool = False
-    """Parsed by DeepSpeed, unused. Default false."""
+    """Parsed by DeepSpeed, unused there too. Default false."""
     use_data_before_expert_parallelism: bool = False
     """MoE group topology: data-parallel ranks before expert-parallel ones. Default false."""
-    graph_harvesting: bool = False
-    """CUDA graphs for the bf16 norm/clip step. Default false."""
 
     # ---- ZeRO (§2.5) ----
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
@@ -137,7 +147,13 @@ class ShardspeedConfig:
     memory_breakdown: bool = False
     """Log memory use. Default false."""
     dump_state: bool = False
-    """Print the engine state after initialisation. Default false."""
+    """Log the resolved config on rank 0 after initialisation. Default false."""
+    log_level: Annotated[LogLevel | None, Key(normalize=_lower)] = None
+    """Level of the library's logger (and its handlers): debug, info, warning, error, critical; null =
+    unchanged. Default null."""
+    disable_python_gc: bool = False
+    """Collect once, then turn Python's automatic cyclic garbage collection off while the engine lives
+    (``engine.collect_python_gc()`` collects on demand); restored by ``destroy()``. Default false."""
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     """TensorBoard monitor."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -166,43 +182,36 @@ class ShardspeedConfig:
     """Activation checkpointing options."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline-parallel engine options."""
-    elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
-    """Elastic batch sizes."""
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
     """Autotuner."""
-    sparse_attention: SparseAttentionConfig | None = None
-    """Block-sparse attention; null = off."""
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """Hybrid training/generation engine."""
-    progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
-    """Progressive layer drop."""
-    eigenvalue: EigenvalueConfig = field(default_factory=EigenvalueConfig)
-    """Hessian eigenvalue estimation."""
-    curriculum_learning: CurriculumLearningConfig = field(default_factory=CurriculumLearningConfig)
-    """Legacy curriculum learning."""
     data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
     """Data efficiency library."""
     vocabulary_size: PositiveInt | None = None
-    """Vocabulary size (DeepSpeed warns when not a multiple of 8). Default null."""
+    """Vocabulary size (a warning when not a multiple of 8, as DeepSpeed). Default null."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
-    """AutoTP training (tensor parallelism)."""
+    """AutoTP training (tensor parallelism); see the block below."""
     sequence_parallel_size: PositiveInt = 1
-    """Sequence-parallel degree (Ulysses). Default 1."""
-    # Blocks with large, open-ended schemas: accepted as objects and passed through unvalidated.
+    """Ulysses sequence-parallel degree. Above 1, `initialize` builds a (data, sequence) grid with sequence
+    groups of consecutive ranks (must divide the world size); gradients are averaged and ZeRO shards over
+    sequence x data ranks; the data loader splits samples over the data ranks only and each sequence rank
+    keeps its slice of dimension 1; batch sizes count data ranks only (`train_batch_size = micro x gas x world
+    / sp`). Wrap attention in `shardspeed.sequence.DistributedAttention(attn, engine.get_sequence_parallel_group())`.
+    Default 1."""
+    data_parallel_size: PositiveInt | None = None
+    """Data-parallel degree of a (data, sequence) mesh; with sequence_parallel_size it must multiply to the
+    world size. Default null (world size / sequence_parallel_size)."""
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+    """AutoEP (automatic expert parallelism)."""
+    weight_quantization: WeightQuantizationConfig | None = None
+    """Quantized weights; null = off."""
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """DeepCompile options (``engine.compile()`` itself needs none)."""
+    datastates_ckpt: Annotated[Any, Key(normalize=_false_means_off)] = None
+    """DataStates asynchronous checkpointing: any value but null or false turns it on. Default null."""
     compression_training: FreeForm = None
     """Compression (quantization/pruning) schedules."""
-    quantize_training: FreeForm = None
-    """MoQ quantize-aware training."""
-    expert_parallel: FreeForm = None
-    """Automatic expert parallelism."""
-    weight_quantization: FreeForm = None
-    """Post-initialisation weight quantization."""
-    compile: FreeForm = None
-    """torch.compile / DeepCompile options."""
-    nebula: FreeForm = None
-    """Nebula checkpoint service."""
-    datastates: FreeForm = None
-    """DataStates asynchronous checkpointing."""
 
     # ---- set by the loader, not JSON keys ----
     raw: Annotated[dict[str, Any], Key(internal=True)] = field(default_factory=dict, repr=False)
@@ -215,16 +224,15 @@ class ShardspeedConfig:
         """True when a ZeRO stage above 0 is configured."""
         return self.zero_optimization.stage > 0
 
-    def validate(self, path: str) -> None:
-        """Checks across blocks; runs once every block has been built."""
-        cross_checks.check_all(self)
-
     def to_dict(self) -> dict[str, Any]:
         """The fully resolved config (every key, defaults filled in), JSON-serialisable."""
         internal = {"raw", "world_size"}
-        return {
+        resolved = {
             f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in internal
         }
+        if resolved["compression_training"] is None:  # DeepSpeed 0.19 refuses the key even when null
+            del resolved["compression_training"]
+        return resolved
 
 
 def _plain(value: Any) -> Any:

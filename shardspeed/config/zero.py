@@ -8,14 +8,14 @@ synonyms, mapped silently; truly deprecated names warn. Sizes are counts of elem
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import Annotated, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
 
 from .blocks import NonNegInt, PositiveInt
 from .build import Key, join
 from .errors import ConfigError
 
-__all__ = ["LocoConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
+__all__ = ["LeafModuleConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "ZenFlowConfig", "ZeroConfig"]
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -53,8 +53,9 @@ class OffloadParamConfig(_OffloadBlock):
     """Size of each NVMe parameter swap buffer, in elements. Default 1e8."""
     max_in_cpu: NonNegInt = 1_000_000_000
     """Elements kept in CPU memory when offloading to NVMe. Default 1e9."""
-    pin_memory: bool = False
-    """Use page-locked CPU memory (faster copies, less pageable memory). Default false."""
+    pin_memory: bool = True
+    """Use page-locked CPU memory for the host copies (CUDA only; no effect on CPU). Default true
+    (DeepSpeed 0.19; 0.16 defaulted to false)."""
 
 
 @dataclass(kw_only=True)
@@ -67,8 +68,8 @@ class OffloadOptimizerConfig(_OffloadBlock):
     """Directory for NVMe offload; required with device nvme. Default null."""
     buffer_count: NonNegInt = 4
     """Number of buffers for NVMe optimizer-state swapping. Default 4."""
-    pin_memory: bool = False
-    """Use page-locked CPU memory. Default false."""
+    pin_memory: bool = True
+    """Use page-locked CPU memory (CUDA only; no effect on CPU). Default true (DeepSpeed 0.19)."""
     pipeline_read: bool = False
     """Overlap NVMe reads of the next sub-group with the current step. Default false."""
     pipeline_write: bool = False
@@ -77,16 +78,79 @@ class OffloadOptimizerConfig(_OffloadBlock):
     """Faster optimizer initialisation when offloading to NVMe. Default false."""
     ratio: Annotated[float, Key(ge=0, le=1)] = 1.0
     """Fraction of the optimizer step run on CPU (ZeRO-3 only below 1). Default 1.0."""
+    super_offload: bool = False
+    """DeepSpeed's SuperOffload for Superchips (ZeRO-3). Default false."""
+    cpuadam_cores_perc: Annotated[float, Key(ge=0, le=1)] = 0.8
+    """Share of CPU cores for the CPU optimizer under super_offload. Default 0.8."""
+
+
+# Hugging Face MoE blocks DeepSpeed 0.19 treats as ZeRO-3 leaf modules by default: tokens reach only some
+# experts, so hooks per expert would run different collectives on different ranks.
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+def _as_list(value: Any) -> Any:
+    """DeepSpeed accepts one string where a list of strings is expected."""
+    return [value] if isinstance(value, str) else value
+
+
+def _dedupe(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
 
 
 @dataclass(kw_only=True)
-class LocoConfig:
-    """``zero_optimization.zeropp_loco_param``: LoCo error feedback for ZeRO++ quantized gradients."""
+class LeafModuleConfig:
+    """``zero_optimization.leaf_module``: modules ZeRO-3 gathers and releases as one piece (z3 leaf modules).
 
-    err_beta: float = 0.8
-    """Error-feedback decay. Default 0.8."""
-    reset_T: NonNegInt = 1024
-    """Steps between error-buffer resets. Default 1024."""
+    A module matched here gets all the parameters of its subtree gathered before its forward, as one unit,
+    and no hooks inside it, as ``deepspeed.utils.set_z3_leaf_modules`` does.
+    """
+
+    classes: Annotated[list[str], Key(normalize=_as_list)] = field(
+        default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES)
+    )
+    """Module classes, by class name or ``package.module.Class``. Default: Mixtral's, Qwen2-MoE's and
+    Qwen3-MoE's sparse MoE blocks."""
+    names: Annotated[list[str], Key(normalize=_as_list)] = field(default_factory=list)
+    """Module names (as ``model.named_modules()`` gives them). Default []."""
+    name_suffixes: Annotated[list[str], Key(normalize=_as_list)] = field(default_factory=list)
+    """Module-name suffixes (e.g. "mlp.experts"). Default []."""
+
+    def __post_init__(self) -> None:
+        self.classes, self.names = _dedupe(self.classes), _dedupe(self.names)
+        self.name_suffixes = _dedupe(self.name_suffixes)
+
+
+@dataclass(kw_only=True)
+class ZenFlowConfig:
+    """``zero_optimization.zenflow``: DeepSpeed's ZenFlow stall-free offload (present = used)."""
+
+    ACTIVE_WHEN_PRESENT: ClassVar[bool] = True
+
+    topk_ratio: Annotated[float, Key(gt=0, le=1)] = 0.1
+    """Share of important gradient columns updated on the device. Default 0.1."""
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    """How important columns are chosen. Default "auto"."""
+    select_interval: int | Literal["auto"] = "auto"
+    """Steps between re-selections. Default "auto"."""
+    update_interval: int | Literal["auto"] = "auto"
+    """Steps between updates of the other columns. Default "auto"."""
+    overlap_step: bool = False
+    """Overlap the CPU step with forward/backward. Default false."""
+    offload: bool = False
+    """Offload selective optimizer state. Default false."""
+    auto_ratio: Annotated[float, Key(ge=0, le=1)] = 0.99
+    """Threshold of the "auto" strategy. Default 0.99."""
+    full_warm_up_rounds: NonNegInt = 0
+    """Rounds of full updates first. Default 0."""
+    pt_reserved_cores_perc: Annotated[float, Key(ge=0, le=1)] = 0.5
+    """Share of cores kept for PyTorch. Default 0.5."""
+    steps_per_epoch: PositiveInt | None = None
+    """Set by DeepSpeed at run time. Default null."""
 
 
 _PREFETCH_SYNONYMS = ("prefetch_bucket_size",)
@@ -114,6 +178,9 @@ class ZeroConfig:
     """Stage 1/2: elements per all-gather of updated parameters. Default 5e8."""
     overlap_comm: bool | None = None
     """Overlap gradient reduction with backward; null = true (DeepSpeed: true for stage 3 only)."""
+    compute_grad_norm: bool = True
+    """Stage 1/2: compute the global gradient norm at each step; false skips it (needs gradient_clipping
+    0; ``get_global_grad_norm()`` then returns None). Default true."""
     load_from_fp32_weights: bool = True
     """On load, restore fp32 master weights from the checkpoint's fp32 copy. Default true."""
     elastic_checkpoint: bool = False
@@ -150,6 +217,19 @@ class ZeroConfig:
         bool, Key(synonyms=("use_all_reduce_for_fetch_params",))
     ] = False
     """Stage 3: fetch parameters with all-reduce instead of all-gather. Default false."""
+    stage3_allgather_sequential: Annotated[bool, Key(synonyms=("allgather_sequential",))] = False
+    """Stage 3: gather a unit's parameters one collective per parameter instead of one per unit. Default
+    false."""
+    leaf_module: LeafModuleConfig = field(default_factory=LeafModuleConfig)
+    """Stage 3: modules gathered as one piece (z3 leaf modules)."""
+    zenflow: ZenFlowConfig | None = None
+    """ZenFlow; null = off."""
+    parameter_alignment: bool = False
+    """Stage 1/2: pad flat buffers so each parameter starts 16-byte aligned. Default false."""
+    enable_sanity_checks: bool = False
+    """DeepSpeed's internal debugging checks. Default false."""
+    save_muon_momentum_buffer_in_memory: bool = False
+    """Muon optimizer under NVMe offload: keep its momentum in memory. Default false."""
     ignore_unused_parameters: bool = True
     """Stage 1/2 offload: tolerate parameters that get no gradient. Default true."""
     legacy_stage1: bool = False
@@ -164,12 +244,6 @@ class ZeroConfig:
     """Store frozen weights quantized. Default false."""
     zero_quantized_gradients: bool = False
     """ZeRO++ qgZ: quantized gradient reduction. Default false."""
-    zeropp_loco_param: LocoConfig | None = None
-    """LoCo-ZeRO++ error feedback; null = off."""
-    mics_shard_size: int = -1
-    """> 0: MiCS, shard stage 3 within groups of this size. Default -1 (off)."""
-    mics_hierarchical_params_gather: bool = False
-    """MiCS: hierarchical parameter all-gather. Default false."""
     memory_efficient_linear: bool = True
     """zero.Init replaces F.linear with a memory-efficient version. Default true."""
     pipeline_loading_checkpoint: bool = False
@@ -193,6 +267,11 @@ class ZeroConfig:
                 f"remove the key and use stage 1"
             )
         self._check_offload(path)
+        if not self.compute_grad_norm and self.stage not in (1, 2):
+            raise ConfigError(
+                f"{join(path, 'compute_grad_norm')}: false is supported only with {join(path, 'stage')} 1 or 2, "
+                f"got stage {self.stage}"
+            )
 
     def _check_offload(self, path: str) -> None:
         param, optim = self.offload_param, self.offload_optimizer
@@ -200,6 +279,11 @@ class ZeroConfig:
             raise ConfigError(
                 f"{join(path, 'offload_param')}: parameter offload needs {join(path, 'stage')} 3, "
                 f"got stage {self.stage} (use offload_optimizer for stages 1 and 2)"
+            )
+        if optim is not None and optim.device != "none" and self.stage == 0:
+            raise ConfigError(
+                f"{join(path, 'offload_optimizer.device')}: optimizer offload needs {join(path, 'stage')} 1, 2 "
+                f"or 3, got stage 0 (nothing is partitioned to offload)"
             )
         if optim is not None and optim.ratio < 1.0 and self.stage != 3:
             raise ConfigError(

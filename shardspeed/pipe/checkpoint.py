@@ -31,8 +31,7 @@ from shardspeed.checkpoint.engine_io import (
     _model_states,
     _rng_state,
     _set_rng_state,
-    begin_save,
-    finish_save,
+    saving,
 )
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.universal import CheckpointReader
@@ -55,7 +54,14 @@ def _layer_prefixes(module) -> dict[int, str]:
 
 
 def save_pipeline_checkpoint(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> bool:
-    save_dir, tag, staging = begin_save(engine, save_dir, tag, client_state)
+    with saving(engine, save_dir, tag, client_state, save_latest) as (save_dir, tag, staging):
+        _write_stage_files(engine, staging, client_state, exclude_frozen)
+    log_dist(f"saved pipeline checkpoint {save_dir / tag}")
+    return True
+
+
+def _write_stage_files(engine, staging, client_state, exclude_frozen) -> None:
+    """This rank's files: its stage's layer files (data-parallel rank 0), partition and RNG state."""
     rank, stage, module = dist.get_rank(), engine.stage_id, engine.module
     rank_repr = module.topology().get_rank_repr(rank)
     if engine.dp_rank == 0:
@@ -76,9 +82,6 @@ def save_pipeline_checkpoint(engine, save_dir, tag, client_state, save_latest, e
         partition = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config}
         files.save_file(partition, staging / files.zero_optim_states_name(engine.dp_rank, stage))
     files.save_file(_rng_state(), staging / files.rng_states_name(rank))
-    finish_save(save_dir, tag, staging, save_latest)
-    log_dist(f"saved pipeline checkpoint {save_dir / tag}")
-    return True
 
 
 class _StageReader(CheckpointReader):
@@ -182,7 +185,7 @@ def load_pipeline_checkpoint(engine, load_dir, tag, strict, load_optimizer_state
         found["states"] = _stage_states(path)
         _check_files(path, found["states"], load_optimizer_states and not module_only)
 
-    opened = verify.open_checkpoint(engine, Path(load_dir), tag, check)  # every rank agrees, or all raise
+    opened = verify.open_checkpoint(engine, load_dir, tag, check)  # every rank agrees, or all raise
     if opened is None:
         return None, None
     path, states = opened[0], found["states"]

@@ -2,13 +2,19 @@
 
 The engine itself holds little logic. It owns the wrapped module and the counters, and delegates:
 gradient averaging and the optimizer step to the stage's optimizer wrapper (`runtime/data_parallel.py` for
-stage 0), loss scaling to `runtime/precision.py`, data to `runtime/data.py`, and checkpoints to
-`checkpoint/`. See docs/architecture.md.
+stage 0), loss scaling to `runtime/precision.py`, the module's dtypes to `runtime/module_dtypes.py`,
+`torch_autocast` to `runtime/autocast.py`, `compile()` to `runtime/compiler.py`, `offload_states()` to
+`runtime/zero/offload_states.py`, data to `runtime/data.py`, checkpoints to `checkpoint/`, and DeepSpeed's
+config getters to `runtime/engine_getters.py`. See docs/architecture.md.
+
+Attributes the engine does not have are looked up on the wrapped module, as DeepSpeed does
+(`engine.config_class` reads `engine.module.config_class`); see `__getattr__`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import torch
@@ -16,25 +22,27 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed import accelerator
-from shardspeed.config import ConfigError, ShardspeedConfig, resolve_batch_sizes
+from shardspeed.config import ShardspeedConfig, resolve_batch_sizes
 from shardspeed.moe.parallelism import ExpertParallelism
 from shardspeed.runtime import memory
+from shardspeed.runtime.autocast import TorchAutocast
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
+from shardspeed.runtime.compiler import ModuleCompiler
 from shardspeed.runtime.data import ShardedDataLoader
-from shardspeed.runtime.data_parallel import DataParallelOptimizer
+from shardspeed.runtime.engine_extras import EngineExtras
+from shardspeed.runtime.engine_getters import ConfigGetters
 from shardspeed.runtime.engine_integrations import IntegrationMethods
-from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
+from shardspeed.runtime.module_dtypes import cast_module
 from shardspeed.runtime.observers import StepObservers
-from shardspeed.runtime.optim import is_zero_tested_optimizer
-from shardspeed.runtime.precision import LossScaler, NoScaler, PrecisionPlan
+from shardspeed.runtime.precision import PrecisionPlan
+from shardspeed.runtime.python_gc import ProcessSettings
+from shardspeed.runtime.stage_wrappers import wrap_optimizer
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
+from shardspeed.runtime.zero.offload_states import StateOffloader
 from shardspeed.sequence.engine_part import SequenceParallelism
 from shardspeed.utils.logging import log_dist
+from shardspeed.utils.z3_leaf_module import apply_leaf_module_config
 from shardspeed.zero import init as zero_init
-from shardspeed.zero.offload import OptimizerOffload
-from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
-from shardspeed.zero.swap import AioSettings
-from shardspeed.zero.swap.param_swapper import build_param_tier
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -50,7 +58,7 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
         torch._foreach_copy_([t.data for t in same_dtype], [p.view_as(t) for p, t in zip(pieces, same_dtype)])
 
 
-class ShardspeedEngine(IntegrationMethods, nn.Module):
+class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Module):
     """DeepSpeed's `DeepSpeedEngine` contract: call it, `backward(loss)`, `step()` every micro-batch."""
 
     def __init__(
@@ -69,6 +77,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         self._config = config
         self.config = config.raw
         self.mpu = mpu
+        self.process_settings = ProcessSettings(config)  # log_level, disable_python_gc
         # Gradients are averaged, and ZeRO shards, over every rank holding the same parameters: the data ranks,
         # and with sequence parallelism the sequence ranks too; batches are sharded over the data ranks only.
         self.dp_group = _replica_group(mpu)
@@ -84,11 +93,16 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         self._step_applied = False
         self._window_loss = None
 
-        self.plan = PrecisionPlan.from_config(config)
+        self.plan = PrecisionPlan.from_config(config, sequence_parallel=self.sequence.enabled)
         if self.zero_optimization_stage() < 3:  # built under zero.Init: stages 0-2 keep full parameters
             for p in model.parameters():
                 zero_init.materialize(p)
-        self.module = model.to(device=self.device, dtype=self.plan.param_dtype)
+        self.module = model.to(device=self.device)
+        cast_module(self.module, self.plan.param_dtype, config.data_types)
+        apply_leaf_module_config(self.module, config.zero_optimization.leaf_module)
+        self.autocast = TorchAutocast.from_config(config, self.module, self.device)
+        self.compiler = ModuleCompiler()
+        self.states = StateOffloader(self)
         # MoE layers: their expert groups are created here and experts start from their own group's values
         self.moe = ExpertParallelism.discover(
             self.module, mpu, self.dp_group, config.use_data_before_expert_parallelism
@@ -105,6 +119,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         )
         if model_parameters is None:
             model_parameters = list(self.module.parameters())
+        self.client_optimizer = optimizer  # what the script passed (`optimizer_name()` reports its class)
         client_optimizer = resolve_optimizer(optimizer, model_parameters, config)
         self.optimizer = self._wrap_optimizer(client_optimizer) if client_optimizer is not None else None
         self.basic_optimizer = client_optimizer
@@ -112,7 +127,8 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
         # the flops profiler reports backward and step latency, so it turns the timers on (as in DeepSpeed)
         self.timers = PhaseTimers(self.device, config.wall_clock_breakdown or config.flops_profiler.enabled)
-        self.throughput = ThroughputMeter()
+        throughput = config.timers.throughput
+        self.throughput = ThroughputMeter(self.device, throughput.enabled, throughput.synchronized)
         self.observers = StepObservers(self, config)  # monitors, flops profiler, comms logger
         self.monitor = self.observers.monitor
         if self.global_rank == 0:
@@ -121,6 +137,11 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                 f"dtype={self.plan.param_dtype} micro_batch={self.train_micro_batch_size_per_gpu()} "
                 f"grad_accum={self.gradient_accumulation_steps()} train_batch={self.train_batch_size()}"
             )
+            if config.dump_state:
+                log_dist(
+                    "engine config (every key resolved):\n"
+                    + json.dumps(config.to_dict(), indent=2, default=str)
+                )
 
     # -- construction helpers ------------------------------------------------------------------------------
 
@@ -156,131 +177,42 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer):
         """Wrap the torch optimizer in the stage's wrapper, which owns gradients, masters and the step."""
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        scaler = LossScaler.from_config(self._config.fp16) if self._config.fp16.enabled else NoScaler()
-        if self.moe is not None:  # one wrapper per reduction domain (dense, each expert group)
-            wrap = lambda opt, sub, group, owned: self._wrap_params(opt, sub, group, scaler, owned)  # noqa: E731
-            return self.moe.wrap_optimizer(
-                optimizer, named, wrap, scaler=scaler, clip=self.gradient_clipping()
-            )
-        return self._wrap_params(optimizer, named, self.dp_group, scaler)
-
-    def _wrap_params(self, optimizer, named, group, scaler, owned: set[int] | None = None):
-        """The stage's wrapper over the parameters `named`, reduced over `group` (stage 3: `owned` are the
-        ids of the module parameters it partitions, frozen ones included; None for all)."""
-        stage = self.zero_optimization_stage()
-        zero_cfg = self._config.zero_optimization
-        common = dict(plan=self.plan, scaler=scaler, gradient_clipping=self._config.gradient_clipping)
-        comm = dict(
-            group=group,
-            prescale_gradients=self._config.prescale_gradients,
-            gradient_predivide_factor=self._config.gradient_predivide_factor,
-        )
-        if stage == 0:
-            if self._optimizer_offload() is not None:
-                log_dist("zero_optimization.offload_optimizer has no effect at ZeRO stage 0 (it needs stage 1-3)",
-                         level=30)  # fmt: skip
-            reducer = BucketedAllReducer(
-                [
-                    params
-                    for _, params in bucket_layout([[p for _, p in named]], int(zero_cfg.reduce_bucket_size))
-                ],
-                accum_dtype=self.plan.grad_accum_dtype,
-                comm_dtype=self.plan.comm_dtype,
-                **comm,
-            )
-            return DataParallelOptimizer(optimizer, named, reducer=reducer, **common)
-        self._check_zero_optimizer(optimizer)
-        common["offload"] = self._optimizer_offload()
-        comm["overlap_comm"] = bool(zero_cfg.overlap_comm)
-        comm["use_reduce_scatter"] = bool(zero_cfg.reduce_scatter)
-        # sub_group_size bounds the elements one optimizer step sees per rank: each bucket or unit is at most
-        # sub_group_size elements per rank.
-        sub_group_numel = int(zero_cfg.sub_group_size) * dist.get_world_size(group)
-        if stage == 3:
-            return zero_stage_3(
-                self.module,
-                optimizer,
-                named,
-                owned=owned,
-                unit_numel=self._stage3_unit_numel(sub_group_numel),
-                persistence_threshold=int(zero_cfg.stage3_param_persistence_threshold),
-                model_persistence_threshold=int(zero_cfg.stage3_model_persistence_threshold),
-                prefetch_numel=int(zero_cfg.stage3_prefetch_bucket_size),
-                max_live_numel=int(zero_cfg.stage3_max_live_parameters),
-                max_reuse_distance=int(zero_cfg.stage3_max_reuse_distance),
-                param_tier=build_param_tier(
-                    zero_cfg.offload_param,
-                    AioSettings.from_config(self._config.aio),
-                    self.module,
-                    self.dp_group,
-                ),
-                **common,
-                **comm,
-            )
-        return zero_stage_1_2(
-            optimizer,
-            named,
-            stage=stage,
-            bucket_numel=min(int(zero_cfg.reduce_bucket_size), sub_group_numel),
-            allgather_numel=int(zero_cfg.allgather_bucket_size),
-            **common,
-            **comm,
-        )
-
-    def _optimizer_offload(self) -> OptimizerOffload | None:
-        block = self._config.zero_optimization.offload_optimizer
-        if block is None or block.device == "none":
-            return None
-        return OptimizerOffload(
-            block.device, block.nvme_path, block.pin_memory, block.buffer_count, block.pipeline_read,
-            block.pipeline_write, AioSettings.from_config(self._config.aio),
-        )  # fmt: skip
-
-    def _stage3_unit_numel(self, sub_group_numel: int) -> int:
-        """Largest unit gathered whole: the prefetch/bucket/sub-group sizes, and at most a quarter of the
-        model, so that even a small model spans several units and gathers overlap the compute of earlier ones."""
-        zero_cfg = self._config.zero_optimization
-        total = sum(zero_init.logical_numel(p) for p in {id(p): p for p in self.module.parameters()}.values())
-        limits = (zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size, sub_group_numel)
-        return int(min(*limits, max(1, total // 4)))
-
-    def _check_zero_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if is_zero_tested_optimizer(optimizer) or self._config.zero_allow_untested_optimizer:
-            return
-        raise ConfigError(
-            f"zero_allow_untested_optimizer: {type(optimizer).__name__} is not known to work with ZeRO, which "
-            "steps flat shards instead of whole tensors (a per-tensor rule such as LAMB's trust ratio would "
-            'apply per shard). Use Adam/AdamW/Adagrad/Lion, or set "zero_allow_untested_optimizer": true.'
-        )
+        return wrap_optimizer(self, optimizer)
 
     # -- the training loop ---------------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        self.states.check_resident("forward")
         self.timers.start("forward")
         self.observers.before_forward(self)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs, kwargs = _cast_floating((inputs, kwargs), torch.float16)
-        out = self.module(*inputs, **kwargs)
+        with self.autocast.context():
+            out = self.module(*inputs, **kwargs)
         self.observers.after_forward(self)
         self.timers.stop("forward")
         return out
 
     def backward(self, loss: torch.Tensor, release_loss: bool = False, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:  # fmt: skip
-        """Backpropagate `loss / gradient_accumulation_steps`; gradients are averaged at the boundary."""
+        """Backpropagate `loss / gradient_accumulation_steps`; gradients are averaged at the boundary.
+
+        Returns the loss divided by the accumulation steps, in the loss's own dtype (a bf16 model's loss
+        stays bf16), as DeepSpeed 0.19 does.
+        """
         if self.optimizer is None:
             raise RuntimeError(
                 "engine.backward needs an optimizer: pass one to initialize() or configure 'optimizer'"
             )
+        self.states.check_resident("backward")
         self.timers.start("backward")
-        gas = self.gradient_accumulation_steps()
-        if scale_wrt_gas and gas > 1 and not self._in_no_sync:
-            loss = loss.float() / gas
+        if scale_wrt_gas:
+            loss = loss / self.gradient_accumulation_steps()
         detached = loss.detach()
         self._window_loss = detached if self._window_loss is None else self._window_loss + detached
         self.optimizer.backward_begin(self.is_gradient_accumulation_boundary() and not self._in_no_sync)
-        self.optimizer.scaler.scale_loss(loss).backward(retain_graph=retain_graph)
+        with self.compiler.backward_context():
+            self.optimizer.scaler.scale_loss(loss).backward(retain_graph=retain_graph)
         self.optimizer.backward_end()
         self.timers.stop("backward")
         return loss
@@ -291,6 +223,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             raise RuntimeError(
                 "engine.step() is not allowed inside engine.no_sync(); leave the context first"
             )
+        self.states.check_resident("step")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self.timers.start("step")
@@ -300,7 +233,9 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
                 self.skipped_steps += 1
-                log_dist(f"fp16 overflow: step skipped, loss scale is now {self.optimizer.loss_scale}")
+                log_dist(
+                    f"gradient overflow (inf/nan): step skipped, loss scale is now {self.optimizer.loss_scale}"
+                )
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.throughput.add(self.train_batch_size())
@@ -312,6 +247,10 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
     def _report_progress(self) -> None:
         every = self._config.steps_per_print
         loss, self._window_loss = self._window_loss, None
+        if self._config.memory_breakdown and self.global_rank == 0:  # every step, as DeepSpeed's breakdown
+            log_dist(
+                f"memory at step {self.global_steps} (bytes on rank 0): {memory.measure(self).as_dict()}"
+            )
         if not every or self.global_steps % every != 0 or self.global_rank != 0:
             return
         parts = [
@@ -320,7 +259,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
             f"lr={[round(lr, 8) for lr in self.get_lr()]}",
             f"loss={loss.item():.4f}" if loss is not None else "",
             f"loss_scale={self.optimizer.loss_scale:g}" if self.fp16_enabled() else "",
-            f"samples/s={self.throughput.rate():.1f}",
+            f"samples/s={self.throughput.rate():.1f}" if self.throughput.enabled else "",
             self.timers.report() if self.timers.enabled else "",
         ]
         log_dist(" ".join(p for p in parts if p))
@@ -437,21 +376,6 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         """The Ulysses sequence-parallel group for DistributedAttention (None without sequence parallelism)."""
         return self.sequence.group
 
-    def fp16_enabled(self) -> bool:
-        return self._config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self._config.bf16.enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization.stage
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale if self.optimizer is not None else 1.0
 
@@ -461,12 +385,13 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
 
     def destroy(self) -> None:
         """Remove gradient hooks so the module can be used (or wrapped again) without this engine, and delete
-        NVMe optimizer-offload swap files; close the monitors' files."""
+        NVMe optimizer-offload swap files; close the monitors' files; give back `disable_python_gc`."""
         self.observers.close()
         if self.optimizer is not None:
             self.optimizer.remove_hooks()
             if hasattr(self.optimizer, "close_offload"):
                 self.optimizer.close_offload()
+        self.process_settings.release()
 
 
 def _replica_group(mpu):

@@ -25,25 +25,3 @@ class IntegrationMethods:
         from shardspeed.checkpoint.export import consolidated_16bit_state_dict
 
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
-
-    def zero_optimization_partition_gradients(self) -> bool:
-        return self.zero_optimization_stage() >= 2
-
-    def zero_optimization_partition_weights(self) -> bool:
-        return self.zero_optimization_stage() >= 3
-
-    def zero_offload_optimizer(self) -> bool:
-        return self._config.zero_optimization.offload_optimizer.enabled
-
-    def zero_offload_param(self) -> bool:
-        return self._config.zero_optimization.offload_param.enabled
-
-    def steps_per_print(self) -> int | None:
-        return self._config.steps_per_print
-
-    def wall_clock_breakdown(self) -> bool:
-        return self._config.wall_clock_breakdown
-
-    def get_data_types(self):
-        """(model dtype, gradient-accumulation dtype), as DeepSpeed reports them."""
-        return self.plan.param_dtype, self.plan.grad_accum_dtype

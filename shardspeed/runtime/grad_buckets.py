@@ -16,7 +16,12 @@ and an in-place reduce-scatter leaves each rank the average of its own contiguou
 the rank keeps its slice — twice the traffic, for networks where all-reduce is the faster collective.
 
 `overlap_comm=False` waits for each bucket's collective as soon as it is launched, so reduction no longer
-runs behind the rest of backward.
+runs behind the rest of backward. `average=False` (DeepSpeed's `gradient_allreduce_op: "sum"`) leaves the
+sums over ranks instead of their mean.
+
+A bucket is communicated in one dtype: `comm_dtype`, or the `comm_dtype` attribute its parameters carry
+(DeepSpeed's per-parameter mark; `torch_autocast` sets it on its lower-precision-safe modules), so
+`bucket_layout(..., split_by=...)` never puts parameters of two communication dtypes in one bucket.
 """
 
 from __future__ import annotations
@@ -69,15 +74,30 @@ BUCKET_CAP_NUMEL = 25 * 2**20 // 4
 FIRST_BUCKET_CAP_NUMEL = 2**20 // 4
 
 
+def comm_dtype_of(param: nn.Parameter, default: torch.dtype) -> torch.dtype:
+    """The dtype `param`'s gradient is communicated in: its `comm_dtype` mark, else `default`."""
+    return getattr(param, "comm_dtype", default)
+
+
+def _split(params: list[nn.Parameter], split_by) -> list[list[nn.Parameter]]:
+    """`params` in runs of equal `split_by(p)`, each run keeping the parameters' order."""
+    if split_by is None:
+        return [params]
+    runs: dict = {}
+    for p in params:
+        runs.setdefault(split_by(p), []).append(p)
+    return list(runs.values())
+
+
 def bucket_layout(
-    param_groups: list[list[nn.Parameter]], bucket_numel: int
+    param_groups: list[list[nn.Parameter]], bucket_numel: int, split_by=None
 ) -> list[tuple[int, list[nn.Parameter]]]:
     """Split parameters into `(group index, parameters)` buckets of bounded size (a larger parameter gets
     its own bucket).
 
     Gradients arrive roughly in reverse registration order, so the first bucket holds the last layers.
     Buckets never span optimizer parameter groups, so a bucket's shard can be stepped with its group's
-    hyper-parameters.
+    hyper-parameters, nor two values of `split_by(param)` (e.g. communication dtypes).
     """
     buckets: list[tuple[int, list[nn.Parameter]]] = []
 
@@ -85,21 +105,29 @@ def bucket_layout(
         return min(bucket_numel, FIRST_BUCKET_CAP_NUMEL if not buckets else BUCKET_CAP_NUMEL)
 
     for group_index in reversed(range(len(param_groups))):
-        current, size = [], 0
-        for p in reversed(param_groups[group_index]):
-            numel = logical_numel(p)
-            if current and size + numel > limit():
-                buckets.append((group_index, current))
-                current, size = [], 0
-            current.append(p)
-            size += numel
-        if current:
+        for run in _split(param_groups[group_index], split_by):
+            buckets += _pack(group_index, run, limit)
+    return buckets
+
+
+def _pack(group_index: int, params: list[nn.Parameter], limit) -> list[tuple[int, list[nn.Parameter]]]:
+    """Buckets of consecutive parameters (last first) of at most `limit()` elements."""
+    buckets: list[tuple[int, list[nn.Parameter]]] = []
+    current, size = [], 0
+    for p in reversed(params):
+        numel = logical_numel(p)
+        if current and size + numel > limit():
             buckets.append((group_index, current))
+            current, size = [], 0
+        current.append(p)
+        size += numel
+    if current:
+        buckets.append((group_index, current))
     return buckets
 
 
 class BucketedAllReducer:
-    """Averages gradients of `params` over `group` with bucketed, backward-overlapped all-reduces."""
+    """Averages (or sums) gradients of `params` over `group` with bucketed, backward-overlapped all-reduces."""
 
     def __init__(
         self,
@@ -113,13 +141,15 @@ class BucketedAllReducer:
         sharded: bool = False,
         use_reduce_scatter: bool = True,
         overlap_comm: bool = True,
+        average: bool = True,
     ):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.comm_dtype = comm_dtype
-        self.prescale = prescale_gradients
-        self.predivide = gradient_predivide_factor
+        self.average = average
+        self.prescale = prescale_gradients and average
+        self.predivide = gradient_predivide_factor if average else 1.0
         self.sharded = sharded
         self.use_reduce_scatter = sharded and use_reduce_scatter
         self.overlap_comm = overlap_comm
@@ -128,6 +158,8 @@ class BucketedAllReducer:
         device = params[0].device if params else torch.device("cpu")
         shards = self.world_size if sharded else 1
         self.buckets = [GradBucket(b, accum_dtype, device, shards) for b in buckets]
+        for bucket in self.buckets:  # one dtype per bucket (bucket_layout splits by it)
+            bucket.comm_dtype = comm_dtype_of(bucket.params[0], comm_dtype) if bucket.params else comm_dtype
         self.sync_enabled = True  # False on micro-steps inside the accumulation window
         self._next_launch = 0
         self._hooks = []
@@ -141,10 +173,9 @@ class BucketedAllReducer:
 
     def _make_hook(self, bucket_index: int, slot: int):
         bucket = self.buckets[bucket_index]
-        view = bucket.views[slot]
 
         def on_grad_accumulated(param: nn.Parameter) -> None:
-            grad = param.grad
+            grad, view = param.grad, bucket.views[slot]  # looked up now: offload_states may move the buffer
             if grad is not view:
                 # Either gradients accumulate in a wider dtype, or the user reset `.grad` (e.g. with
                 # model.zero_grad()), in which case autograd handed us a fresh tensor holding this micro-step.
@@ -188,8 +219,8 @@ class BucketedAllReducer:
             tensor.div_(self.world_size)
         elif self.predivide != 1.0:
             tensor.mul_(1.0 / self.predivide)
-        if tensor.dtype != self.comm_dtype:
-            bucket.comm_buffer = tensor.to(self.comm_dtype)
+        if tensor.dtype != bucket.comm_dtype:
+            bucket.comm_buffer = tensor.to(bucket.comm_dtype)
             tensor = bucket.comm_buffer
         if self.use_reduce_scatter:  # in place: this rank's slice receives the sum of everyone's slice
             own = bucket.shard(tensor, self.rank)
@@ -209,7 +240,11 @@ class BucketedAllReducer:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         # the mean of one rank's sums is those sums (`_launch` skipped the pre-division too)
-        post = 1.0 if self.prescale or self.world_size == 1 else self.predivide / self.world_size
+        post = (
+            1.0
+            if self.prescale or not self.average or self.world_size == 1
+            else self.predivide / self.world_size
+        )
         for bucket in self.buckets:
             bucket.work.wait()
             reduced = self.reduced_grad(bucket)
@@ -236,6 +271,23 @@ class BucketedAllReducer:
                 for p, view in zip(bucket.params, bucket.views):
                     p.grad = view
         self._next_launch = 0
+
+    def move_to(self, device: torch.device, pin_memory: bool = False, non_blocking: bool = False) -> None:
+        """Move the gradient buffers to `device` (`engine.offload_states`). While they are away from the
+        parameters' device the parameters have no `.grad` (torch requires the two on one device)."""
+        from shardspeed.zero.flat_params import _moved
+
+        for bucket in self.buckets:
+            bucket.buffer = _moved(bucket.buffer, device, pin_memory, non_blocking)
+            offsets = [0]
+            for p in bucket.params:
+                offsets.append(offsets[-1] + p.numel())
+            bucket.views = [
+                bucket.buffer[a:b].view_as(p) for p, a, b in zip(bucket.params, offsets, offsets[1:])
+            ]
+            if self.grads_are_views:
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view if view.device == p.device else None
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from shardspeed.comm.topology import ParallelGrid, ProcessTopology
 from shardspeed.config import ConfigError
-from shardspeed.config.loader import read_config_source
 
 __all__ = ["build_parallel_grid", "data_parallel_world", "latest_grid", "merge_tp_model_init"]
 
@@ -30,13 +29,12 @@ def latest_grid():
     return _LATEST["grid"]
 
 
-def merge_tp_model_init(source, model):
-    """The config source with `tp_model_init`'s recorded arguments merged into `tensor_parallel`, and the
-    tensor degree. The source is returned untouched when neither asks for tensor parallelism."""
+def merge_tp_model_init(raw: dict, model):
+    """The config dict with `tp_model_init`'s recorded arguments merged into `tensor_parallel`, and the
+    tensor degree. The dict is returned untouched when neither asks for tensor parallelism."""
     from shardspeed.pipe.module import PipelineModule
 
     recorded = getattr(model, "_shardspeed_tp_model_init", None)
-    raw = read_config_source(source) if not isinstance(source, dict) else source
     block = raw.get("tensor_parallel") if isinstance(raw, dict) else None
     size = block.get("autotp_size", 0) if isinstance(block, dict) else 0
     if recorded is None:
@@ -45,7 +43,7 @@ def merge_tp_model_init(source, model):
             raise ConfigError(
                 "tensor_parallel.autotp_size: AutoTP cannot be combined with a PipelineModule yet"
             )
-        return source, size
+        return raw, size
     if size not in (0, 1, recorded["tp_size"]):
         raise ConfigError(
             f"tensor_parallel.autotp_size: {size} conflicts with tp_model_init(tp_size={recorded['tp_size']})"

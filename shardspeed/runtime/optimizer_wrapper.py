@@ -8,6 +8,8 @@ as on DeepSpeed's optimizer wrappers. `optimizer` is the wrapped torch optimizer
 
 from __future__ import annotations
 
+import math
+
 from shardspeed.runtime.precision import step_multiplier
 
 
@@ -18,13 +20,21 @@ class OptimizerWrapper:
     # Combines this wrapper's norm with the rest of the model's when the model is split across ranks that do
     # not share gradients (pipeline stages): `hook(norm) -> global norm`, called collectively on every rank.
     global_norm_hook = None
+    # `zero_optimization.compute_grad_norm: false` (stages 1-2, no clipping): no norm is taken; a step is
+    # still skipped on inf/nan gradients where the scaler checks for them. `grad_norm` is then None.
+    compute_grad_norm = True
 
     def step(self) -> bool:
-        """Apply the optimizer at an accumulation boundary. Returns False when fp16 overflow skipped it."""
-        norm = self._global_norm()
-        if self.global_norm_hook is not None:
-            norm = self.global_norm_hook(norm)
+        """Apply the optimizer at an accumulation boundary. Returns False when an overflow skipped it."""
+        if self.compute_grad_norm:
+            norm = self._global_norm()
+            if self.global_norm_hook is not None:
+                norm = self.global_norm_hook(norm)
+        else:
+            norm = math.inf if self.scaler.check_overflow and self._has_nonfinite() else 0.0
         self.overflow, self.grad_norm, multiplier = step_multiplier(norm, self.scaler, self.clip)
+        if not self.compute_grad_norm:
+            self.grad_norm = None
         if self.overflow:
             self.zero_grad()
             return False
@@ -36,6 +46,10 @@ class OptimizerWrapper:
     def _global_norm(self) -> float:
         """L2 norm of the averaged, still loss-scaled gradients across all ranks (inf/nan on overflow)."""
         raise NotImplementedError
+
+    def _has_nonfinite(self) -> bool:
+        """True when any rank's gradients hold inf or nan (collective)."""
+        return not math.isfinite(self._global_norm())
 
     def _apply(self, multiplier: float) -> None:
         """Scale the gradients by `multiplier`, step the torch optimizer, publish the new parameters."""

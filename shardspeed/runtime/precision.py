@@ -4,7 +4,12 @@ DeepSpeed's contract, kept here: with fp16 or bf16 enabled the module's paramete
 (users feed half-precision inputs), the optimizer works on fp32 master copies, and fp16 multiplies the loss
 by a scale so small gradients survive the backward pass. The scaler below is DeepSpeed's state machine
 (reference §2.2): an overflowing step is skipped and the scale halves once hysteresis runs out; after
-`loss_scale_window` clean steps it doubles.
+`loss_scale_window` clean steps it doubles. As in DeepSpeed 0.19, a step whose gradients hold inf or nan is
+skipped under fp16 (dynamic or static scale) and, unless `bf16.check_grad_overflow` is false, under bf16.
+
+With `torch_autocast` the parameters stay fp32 and the forward runs under torch.autocast (runtime/autocast.py);
+gradients are communicated in fp32 except those of the lower-precision-safe modules (their `comm_dtype`
+mark), and an fp16 autocast scales the loss with the same dynamic scaler.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ class PrecisionPlan:
     param_dtype: torch.dtype
     grad_accum_dtype: torch.dtype
     comm_dtype: torch.dtype
+    check_overflow: bool = False
+    """Skip a step whose gradients hold inf/nan (fp16; bf16 with check_grad_overflow; fp16 autocast)."""
+    loss_scaling: bool = False
+    """Scale the loss (fp16, or an fp16 torch.autocast)."""
 
     @property
     def mixed(self) -> bool:
@@ -32,7 +41,13 @@ class PrecisionPlan:
         return self.param_dtype != torch.float32
 
     @classmethod
-    def from_config(cls, cfg) -> PrecisionPlan:
+    def from_config(cls, cfg, sequence_parallel: bool = False) -> PrecisionPlan:
+        """`sequence_parallel`: gradients are then communicated in `seq_parallel_communication_data_type`,
+        which replaces `communication_data_type` (as in DeepSpeed)."""
+        autocast = cfg.torch_autocast
+        if autocast.enabled:  # fp32 parameters; marked modules communicate in the autocast dtype
+            fp16_autocast = autocast.dtype == "fp16"
+            return cls(torch.float32, torch.float32, torch.float32, fp16_autocast, fp16_autocast)
         if cfg.fp16.enabled:
             param = torch.float16
         elif cfg.bf16.enabled:
@@ -48,8 +63,20 @@ class PrecisionPlan:
             grad_accum = torch.float32
         else:
             grad_accum = param
-        comm = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else grad_accum
-        return cls(param, grad_accum, comm)
+        if sequence_parallel:
+            comm = DTYPES[cfg.seq_parallel_communication_data_type]
+        else:
+            comm = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else grad_accum
+        check = cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
+        return cls(param, grad_accum, comm, check, cfg.fp16.enabled)
+
+
+def make_scaler(cfg, plan: PrecisionPlan) -> LossScaler:
+    """The run's scaler: DeepSpeed's loss scaler for fp16 (and an fp16 autocast, whose fp16 block holds
+    DeepSpeed's defaults), else a scale of 1 that still skips non-finite steps where the plan says so."""
+    if plan.loss_scaling:
+        return LossScaler.from_config(cfg.fp16)
+    return NoScaler(check_overflow=plan.check_overflow)
 
 
 class LossScaler:
@@ -57,6 +84,10 @@ class LossScaler:
 
     `update(overflow)` is called once per optimizer step with the overflow flag agreed by all ranks.
     """
+
+    check_overflow = (
+        True  # fp16 steps with inf/nan gradients are skipped, whether the scale is dynamic or not
+    )
 
     def __init__(
         self,
@@ -139,10 +170,12 @@ class LossScaler:
 
 
 class NoScaler(LossScaler):
-    """fp32 and bf16 need no loss scaling: a scale of exactly 1 that never changes."""
+    """fp32 and bf16 need no loss scaling: a scale of exactly 1 that never changes. `check_overflow`: skip
+    steps with inf/nan gradients (bf16's `check_grad_overflow`)."""
 
-    def __init__(self):
+    def __init__(self, check_overflow: bool = False):
         super().__init__(init_scale=1.0, dynamic=False)
+        self.check_overflow = check_overflow
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -152,10 +185,10 @@ def step_multiplier(scaled_norm: float, scaler: LossScaler, clip: float) -> tupl
     """From the global norm of the scaled gradients: (overflow, true norm, gradient multiplier).
 
     The multiplier folds loss unscaling and clipping (DeepSpeed's `k = max(1, norm / clip)`, which equals
-    torch's `clip / (norm + 1e-6)` coefficient) into one number. On fp16 overflow the scaler is updated
-    here and the step must be skipped.
+    torch's `clip / (norm + 1e-6)` coefficient) into one number. On overflow (inf/nan where the scaler checks
+    for it) the scaler is updated here and the step must be skipped.
     """
-    if not math.isfinite(scaled_norm) and scaler.dynamic:
+    if not math.isfinite(scaled_norm) and scaler.check_overflow:
         scaler.update(True)
         return True, scaled_norm, 0.0
     norm = scaled_norm / scaler.loss_scale

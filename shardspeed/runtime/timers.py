@@ -51,13 +51,20 @@ class PhaseTimers:
 
 
 class ThroughputMeter:
-    """Samples per second over the steps since the last report."""
+    """Samples per second over the steps since the last report (DeepSpeed's `timers.throughput`).
 
-    def __init__(self):
+    `enabled=False` leaves it out of the progress line; `synchronized` waits for the device at each step
+    boundary, so the rate counts finished work rather than queued kernels (one sync per step on CUDA).
+    """
+
+    def __init__(self, device: torch.device | None = None, enabled: bool = True, synchronized: bool = True):
+        self.device, self.enabled, self.synchronized = device, enabled, synchronized
         self._t0 = time.perf_counter()
         self._samples = 0
 
     def add(self, samples: int) -> None:
+        if self.enabled and self.synchronized and self.device is not None:
+            accelerator.synchronize(self.device)
         self._samples += samples
 
     def rate(self) -> float:

@@ -13,11 +13,13 @@ from shardspeed.zero.api import (
     unregister_external_parameter,
     unwrap_model_for_generation,
 )
-from shardspeed.zero.init import Init
+from shardspeed.zero.init import Init, ZeroParamStatus, ZeroParamType
 
 __all__ = [
     "GatheredParameters",
     "Init",
+    "ZeroParamStatus",
+    "ZeroParamType",
     "register_external_parameter",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",

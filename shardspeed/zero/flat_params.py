@@ -60,6 +60,13 @@ class FlatParamBucket:
             value = value.to(shard.device, non_blocking=True)
         shard.copy_(value)
 
+    def move_to(self, device: torch.device, pin_memory: bool = False, non_blocking: bool = False) -> None:
+        """Move the flat buffer (the module's parameters) to `device` and re-point the parameters at it
+        (`engine.offload_states`)."""
+        self.flat = _moved(self.flat, device, pin_memory, non_blocking)
+        self.device = self.flat.device
+        self.bind()
+
     def fragments(self, rank: int | None = None):
         """For each parameter, the part of it inside `rank`'s shard: (index, name, start in param, start in
         shard, length). Parameters outside the shard are skipped."""
@@ -80,3 +87,13 @@ class FlatParamBucket:
             "numel": self.numel,
             "shard_numel": self.shard_numel,
         }
+
+
+def _moved(tensor: torch.Tensor, device: torch.device, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
+    """`tensor` on `device` (itself if already there); page-locked when moved to the host with `pin_memory`."""
+    if tensor.device == torch.device(device):
+        return tensor
+    if pin_memory and torch.device(device).type == "cpu" and torch.cuda.is_available():
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=non_blocking)
+    return tensor.to(device, non_blocking=non_blocking)

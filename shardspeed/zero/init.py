@@ -10,17 +10,66 @@ usual `model.apply(init_weights)` pattern works).
 The engine turns these chunks into its ZeRO-3 units (or full parameters for stages 0-2) one parameter at
 a time. Code that writes into a child's parameters after the child was built, other than through `apply`,
 must wrap that code in `zero.GatheredParameters(params, modifier_rank=0)` — as with DeepSpeed.
+
+A partitioned parameter carries DeepSpeed's attributes, which code detecting ZeRO-3 parameters reads:
+`ds_id` (a process-wide counter), `ds_status` (`ZeroParamStatus`: NOT_AVAILABLE while only the chunk
+exists, AVAILABLE while gathered), `ds_shape`, `ds_numel`, `ds_tensor` (this rank's chunk), `ds_persist`,
+`ds_process_group` and `ds_active_sub_modules`. Under a ZeRO-3 engine the same attributes follow its units
+(param_units.py).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's `ds_status` of a ZeRO-3 parameter."""
+
+    AVAILABLE = 1  # the full value is present
+    NOT_AVAILABLE = 2  # only this rank's partition exists
+    INFLIGHT = 3  # being gathered
+
+
+class ZeroParamType(enum.Enum):
+    """DeepSpeed's kinds of ZeRO parameter."""
+
+    NORMAL = 1  # a plain parameter
+    PARTITIONED = 2  # split across the data-parallel ranks
+    REMOTE = 3  # held by one rank
+
+
+_ds_ids = itertools.count()  # DeepSpeed numbers ZeRO-3 parameters in creation order, process-wide
+_DS_ATTRIBUTES = ("ds_id", "ds_status", "ds_shape", "ds_numel", "ds_tensor", "ds_persist", "ds_process_group",
+                  "ds_active_sub_modules")  # fmt: skip
+
+
+def mark_zero_param(param: torch.Tensor, shape, group, status: ZeroParamStatus, tensor=None,
+                    persist: bool = False) -> None:  # fmt: skip
+    """Give `param` DeepSpeed's ZeRO-3 attributes (keeping its `ds_id` if it has one)."""
+    if not hasattr(param, "ds_id"):
+        param.ds_id = next(_ds_ids)
+    param.ds_shape = torch.Size(shape)
+    param.ds_numel = param.ds_shape.numel()
+    param.ds_status, param.ds_tensor, param.ds_persist = status, tensor, persist
+    param.ds_process_group = group
+    param.ds_active_sub_modules = set()
+
+
+def unmark_zero_param(param: torch.Tensor) -> None:
+    """A parameter that is whole again (stages 0-2) sheds the ZeRO-3 attributes."""
+    for name in _DS_ATTRIBUTES:
+        if hasattr(param, name):
+            delattr(param, name)
+
 
 _active = 0  # nesting depth of Init contexts
 _remote = None  # the outermost active context's RemoteTier (re-partitioning after `apply` uses it too)
@@ -57,18 +106,14 @@ def materialize(param: torch.Tensor) -> None:
     """Give a partitioned parameter its full value back (collective)."""
     if is_partitioned(param):
         param.data = full_value(param).clone()
-        del (
-            param._zero_init_shard,
-            param._zero_init_shape,
-            param._zero_init_group,
-            param.ds_numel,
-            param.ds_shape,
-        )
+        del param._zero_init_shard, param._zero_init_shape, param._zero_init_group
+        unmark_zero_param(param)
 
 
 def gather(param: torch.Tensor) -> None:
     """Give a partitioned parameter its full value for a while, keeping its chunk (collective)."""
     param.data = full_value(param).clone()
+    param.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def release(param: torch.Tensor, modifier_rank: int | None) -> None:
@@ -82,6 +127,7 @@ def release(param: torch.Tensor, modifier_rank: int | None) -> None:
         mine = full.reshape(-1)[dist.get_rank(group) * shard.numel() :][: shard.numel()]
         shard.zero_()[: mine.numel()].copy_(mine)
     param.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def _partition(param: nn.Parameter, group, dtype: torch.dtype | None, remote=None) -> None:
@@ -98,7 +144,7 @@ def _partition(param: nn.Parameter, group, dtype: torch.dtype | None, remote=Non
     if remote is not None:
         shard = remote.place(shard)
     param._zero_init_shard, param._zero_init_shape, param._zero_init_group = shard, tuple(data.shape), group
-    param.ds_numel, param.ds_shape = data.numel(), data.shape  # DeepSpeed's names (see param_units.py)
+    mark_zero_param(param, data.shape, group, ZeroParamStatus.NOT_AVAILABLE, tensor=shard)
     param.data = torch.empty(0, dtype=data.dtype, device=data.device)
 
 

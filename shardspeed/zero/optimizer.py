@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat, all_reduce
-from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout
+from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout, comm_dtype_of
 from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
 from shardspeed.runtime.placement import place_optimizer_state
 from shardspeed.runtime.precision import LossScaler, PrecisionPlan, unscaled_in_kernel
@@ -37,13 +37,14 @@ from shardspeed.zero.stage3 import Stage3Coordinator, build_units
 from shardspeed.zero.swap import build_optimizer_swapper
 
 
-def build_buckets(optimizer, names: dict, bucket_numel: int, group) -> list[FlatParamBucket]:
-    """Flat buckets of the trainable parameters of each optimizer group (buckets never span groups)."""
+def build_buckets(optimizer, names: dict, bucket_numel: int, group, split_by=None) -> list[FlatParamBucket]:
+    """Flat buckets of the trainable parameters of each optimizer group (buckets never span groups, nor two
+    values of `split_by(param)`)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     groups = [[p for p in g["params"] if p.requires_grad and p in names] for g in optimizer.param_groups]
     return [
         FlatParamBucket(params, [names[p] for p in params], group_index, world, rank)
-        for group_index, params in bucket_layout(groups, bucket_numel)
+        for group_index, params in bucket_layout(groups, bucket_numel, split_by)
     ]
 
 
@@ -185,6 +186,16 @@ class ZeroOptimizer(OptimizerWrapper):
         if dist.get_world_size(self.group) > 1:
             all_reduce(local, group=self.group)
         return math.sqrt(local.item())
+
+    def _has_nonfinite(self) -> bool:
+        """Any inf/nan in any rank's gradient shards: one MAX all-reduce of a flag, no norm."""
+        flats = self.grads.flat_grads()
+        flag = torch.zeros((), dtype=torch.float32, device=flats[0].device if flats else "cpu")
+        for f in flats:
+            flag = torch.maximum(flag, (~torch.isfinite(f)).any().float())
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
     def _apply(self, multiplier: float) -> None:
         if self._grads_on_nvme:
@@ -424,8 +435,10 @@ class ZeroOptimizer(OptimizerWrapper):
 
 def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, allgather_numel: int, plan, scaler,
                    gradient_clipping, group=None, offload=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
-    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm."""
-    buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group)
+    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm,
+    average."""
+    by_comm_dtype = lambda p: comm_dtype_of(p, plan.comm_dtype)  # noqa: E731
+    buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group, by_comm_dtype)
     reduce_kwargs = dict(
         accum_dtype=plan.grad_accum_dtype, comm_dtype=plan.comm_dtype, group=group, **reduce_options
     )
@@ -442,15 +455,21 @@ def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, al
 def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int, persistence_threshold: int,
                  model_persistence_threshold: int, prefetch_numel: int, max_live_numel: int,
                  max_reuse_distance: int, plan, scaler, gradient_clipping, group=None, offload=None,
-                 param_tier=None, owned: set[int] | None = None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
-    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm.
-    `owned`: ids of the module parameters this wrapper partitions (None: all; MoE: one reduction domain)."""
+                 param_tier=None, owned: set[int] | None = None, allgather_sequential: bool = False,
+                 fetch_with_all_reduce: bool = False, log_order_changes: bool = False,
+                 **reduce_options) -> ZeroOptimizer:  # fmt: skip
+    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm,
+    average. `owned`: ids of the module parameters this wrapper partitions (None: all; MoE: one reduction
+    domain)."""
     names = {p: n for n, p in module.named_parameters()}
     units = build_units(
         module,
         optimizer,
         names,
         owned=owned,
+        split_by=lambda p: comm_dtype_of(p, plan.comm_dtype),
+        allgather_sequential=allgather_sequential,
+        fetch_with_all_reduce=fetch_with_all_reduce,
         unit_numel=unit_numel,
         persistence_threshold=persistence_threshold,
         model_persistence_threshold=model_persistence_threshold,
@@ -464,6 +483,7 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         max_live_numel=max_live_numel,
         max_reuse_distance=max_reuse_distance,
         tier=param_tier,
+        log_order_changes=log_order_changes,
     )
     trainable = [u for u in units if u.group_index is not None]
     grads = ShardedGradReducer(

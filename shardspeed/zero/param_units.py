@@ -17,6 +17,12 @@ of parameters for backward (`F.linear` saves `weight.t()`), and a saved view kee
 each gather a fresh buffer, every unit's forward buffer would stay in memory until its backward — the
 whole model at once at the end of forward. With one storage, releasing really frees the memory, and the
 re-gather before backward refills the very storage the saved views read.
+
+[Note: how a unit is gathered] One all-gather of the shards into the full buffer, by default. DeepSpeed's
+`stage3_use_all_reduce_for_fetch_params` makes it one all-reduce instead (each rank writes its shard into a
+zeroed buffer; the sum is every shard in place), and `stage3_allgather_sequential` one collective per
+parameter (an all-reduce of that parameter's range, so no collective ever spans two parameters). All three
+give the same values bit for bit (a sum of one value and zeros is that value).
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardspeed.comm.collectives import all_gather_flat
-from shardspeed.zero.flat_params import FlatParamBucket
-from shardspeed.zero.init import logical_numel
+from shardspeed.comm.collectives import _Works, all_gather_flat, all_reduce
+from shardspeed.zero.flat_params import FlatParamBucket, _moved
+from shardspeed.zero.init import ZeroParamStatus, logical_numel, mark_zero_param
 
 
 class LiveNumel:
@@ -53,12 +59,15 @@ class ParamUnit(FlatParamBucket):
         self.refs = 0
         self.awaiting_grads = False
         self.on_modified = None  # set by the optimizer wrapper: refresh its fp32 master from the shard
-        for p, shape, numel in zip(params, self.shapes, self.numels):
+        for p, shape in zip(params, self.shapes):
             p._shardspeed_unit = self  # found by zero.GatheredParameters
-            # DeepSpeed's names for a partitioned parameter's full size: Transformers and Lightning count
-            # parameters with `p.ds_numel if hasattr(p, "ds_numel") else p.numel()`.
-            p.ds_numel, p.ds_shape = numel, torch.Size(shape)
+            # DeepSpeed's attributes (zero/init.py): Transformers and Lightning count parameters with
+            # `p.ds_numel if hasattr(p, "ds_numel") else p.numel()`; code detecting ZeRO-3 reads `ds_id`.
+            # A parameter has no chunk of its own here (the unit is partitioned as one), so no `ds_tensor`.
+            mark_zero_param(p, shape, group, ZeroParamStatus.AVAILABLE, persist=persistent)
         self._work = None
+        self.fetch_with_all_reduce = False  # [Note: how a unit is gathered]
+        self.allgather_sequential = False
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         # Parameter offload (swap/param_swapper.py): between uses the shard lives in its home on the tier.
         # Persistent units stay gathered anyway, so they keep their shard where it is.
@@ -117,6 +126,24 @@ class ParamUnit(FlatParamBucket):
         self._home.drop()
         self._shard = None
 
+    def move_to(self, device: torch.device, pin_memory: bool = False, non_blocking: bool = False) -> None:
+        """Move the unit's shard (and, when gathered, its full buffer) to `device` (`engine.offload_states`;
+        not with parameter offload, whose shards have their own home)."""
+        self.wait()
+        if self._shard is not None:  # in place: in fp32 training the optimizer's master is this very tensor
+            self._shard.data = _moved(self._shard.data, device, pin_memory, non_blocking)
+        if self.flat is not None:  # persistent: its parameters are views of the full buffer
+            self.flat = self._full = _moved(self.flat, device, pin_memory, non_blocking)
+            self.bind()
+        elif self._full.device != torch.device(device):  # released: a storage of zero bytes, re-made there
+            self._full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+            self._full.untyped_storage().resize_(0)
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        self.device = torch.device(device)
+        if self.flat is None:
+            for p in self.params:
+                p.data = self._empty
+
     @property
     def gathered(self) -> bool:
         return self.flat is not None
@@ -127,18 +154,46 @@ class ParamUnit(FlatParamBucket):
         if self.flat is None:
             self.flat = self._full
             self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
+            self._set_status(ZeroParamStatus.INFLIGHT)
             if not self.persistent:
                 self.live.numel += self.padded_numel
                 self._counted = True
-            self._work = all_gather_flat(self.flat, self.read_shard(), group=self.group, async_op=True)
+            self._work = self._launch_gather()
         if not async_op:
             self.wait()
+
+    def _launch_gather(self):
+        """The collective(s) filling the full buffer from every rank's shard [Note: how a unit is gathered]."""
+        shard = self.read_shard()
+        if not (self.fetch_with_all_reduce or self.allgather_sequential):
+            return all_gather_flat(self.flat, shard, group=self.group, async_op=True)
+        ranges = [(0, self.padded_numel)]
+        if self.allgather_sequential:
+            ranges = [(o, o + n) for o, n in zip(self.offsets, self.numels)] + [
+                (self.numel, self.padded_numel)
+            ]
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        works = []
+        for start, end in ranges:
+            if start == end:
+                continue
+            piece = self.flat[start:end].zero_()
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                piece[a - start : b - start].copy_(shard[a - lo : b - lo])
+            works.append(all_reduce(piece, group=self.group, async_op=True))
+        return _Works(works)
+
+    def _set_status(self, status: ZeroParamStatus) -> None:
+        for p in self.params:
+            p.ds_status = status
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
             self.bind()
+            self._set_status(ZeroParamStatus.AVAILABLE)
             if not self._dirty:
                 self.evict()  # an unchanged offloaded shard is not needed while its unit is gathered
 
@@ -149,6 +204,7 @@ class ParamUnit(FlatParamBucket):
         self.wait()
         for p in self.params:
             p.data = self._empty
+        self._set_status(ZeroParamStatus.NOT_AVAILABLE)
         self._full.untyped_storage().resize_(0)  # also what autograd saved of it [Note: one storage]
         self.flat = None
         if self._counted:
@@ -168,9 +224,10 @@ class ParamUnit(FlatParamBucket):
 def plan_units(root: nn.Module, unit_numel: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """Group parameters into units, in module (≈ forward) order.
 
-    A module whose subtree holds at most `unit_numel` elements (or has no children) is one unit; a larger
-    module contributes its own direct parameters as a unit and is split into its children. A parameter
-    shared by several modules (tied weights) belongs to the first unit that reaches it.
+    A module whose subtree holds at most `unit_numel` elements (or has no children), or that is marked as a
+    ZeRO-3 leaf (`_z3_leaf`, utils/z3_leaf_module.py), is one unit; a larger module contributes its own
+    direct parameters as a unit and is split into its children. A parameter shared by several modules (tied
+    weights) belongs to the first unit that reaches it.
     """
     seen: set[int] = set()
     units: list[tuple[nn.Module, list[nn.Parameter]]] = []
@@ -182,7 +239,8 @@ def plan_units(root: nn.Module, unit_numel: int) -> list[tuple[nn.Module, list[n
 
     def visit(module: nn.Module) -> None:
         children = list(module.children())
-        if not children or sum(logical_numel(p) for p in module.parameters()) <= unit_numel:
+        leaf = getattr(module, "_z3_leaf", False)
+        if leaf or not children or sum(logical_numel(p) for p in module.parameters()) <= unit_numel:
             params = take(module.parameters())
             if params:
                 units.append((module, params))

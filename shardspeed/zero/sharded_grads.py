@@ -7,7 +7,9 @@ asynchronously — in bucket index order on every rank — and this rank's avera
 persistent shard accumulator. At most `MAX_IN_FLIGHT` staging buffers wait on the network at once, which
 bounds the transient memory to a few buckets (none wait with `overlap_comm=False`). Reduction happens every
 micro-step, as in DeepSpeed. `use_reduce_scatter=False` (DeepSpeed's `reduce_scatter: false`) all-reduces
-the whole staging buffer and keeps this rank's slice of it.
+the whole staging buffer and keeps this rank's slice of it. `average=False` (DeepSpeed's
+`gradient_allreduce_op: "sum"`) keeps the sum over ranks instead of the mean. A bucket is communicated in
+its parameters' `comm_dtype` mark where they carry one (`torch_autocast`), else in `comm_dtype`.
 
 Under NVMe optimizer offload the accumulator is not in memory either: `shard_sink` (the optimizer swapper)
 adds each reduced slice to the gradient kept in that sub-group's swap file, so the gradients of a model
@@ -23,16 +25,20 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_reduce, reduce_scatter_flat
+from shardspeed.runtime.grad_buckets import comm_dtype_of
 from shardspeed.zero.flat_params import FlatParamBucket
 
 MAX_IN_FLIGHT = 2
 
 
 class _Slot:
-    def __init__(self, index: int, bucket: FlatParamBucket, accum_dtype: torch.dtype):
+    def __init__(
+        self, index: int, bucket: FlatParamBucket, accum_dtype: torch.dtype, comm_dtype: torch.dtype
+    ):
         self.index = index
         self.bucket = bucket
         self.accum_dtype = accum_dtype
+        self.comm_dtype = comm_dtype
         self.grad_shard: torch.Tensor | None = None  # allocated by the first reduction (never, with a sink)
         self.fresh = True  # grad_shard holds nothing of this accumulation window yet
         self.staging: torch.Tensor | None = None
@@ -41,13 +47,13 @@ class _Slot:
         self.launched = False
 
 
-def _can_borrow(slot: _Slot, grad: torch.Tensor, comm_dtype: torch.dtype) -> bool:
+def _can_borrow(slot: _Slot, grad: torch.Tensor) -> bool:
     """A bucket of one unpadded parameter can be reduced in its own gradient tensor, with no staging copy."""
     bucket = slot.bucket
     return (
         len(bucket.params) == 1
         and bucket.padded_numel == bucket.numel
-        and grad.dtype == comm_dtype
+        and grad.dtype == slot.comm_dtype
         and grad.layout == torch.strided
         and grad.is_contiguous()
         and grad.numel() == bucket.numel
@@ -70,6 +76,7 @@ class ShardedGradReducer:
         on_shard_final=None,
         use_reduce_scatter: bool = True,
         overlap_comm: bool = True,
+        average: bool = True,
     ):
         self.group = group
         # stage 3: called once a bucket's gradients are all in its staging buffer, so its full parameters
@@ -86,9 +93,12 @@ class ShardedGradReducer:
         self.comm_dtype = comm_dtype
         self.use_reduce_scatter = use_reduce_scatter
         self.max_in_flight = MAX_IN_FLIGHT if overlap_comm else 0
-        self.prescale = prescale_gradients
-        self.predivide = gradient_predivide_factor
-        self.slots = [_Slot(i, b, accum_dtype) for i, b in enumerate(buckets)]
+        self.average = average
+        self.prescale = prescale_gradients and average
+        self.predivide = gradient_predivide_factor if average else 1.0
+        self.slots = [
+            _Slot(i, b, accum_dtype, comm_dtype_of(b.params[0], comm_dtype)) for i, b in enumerate(buckets)
+        ]
         self._next_launch = 0
         self._in_flight: deque = deque()
         self._hooks = [
@@ -108,12 +118,12 @@ class ShardedGradReducer:
                 )
             grad = param.grad
             param.grad = None
-            if slot.staging is None and _can_borrow(slot, grad, self.comm_dtype):
+            if slot.staging is None and _can_borrow(slot, grad):
                 slot.staging = grad.view(-1)  # the bucket is this one gradient: reduce it where it is
             else:
                 if slot.staging is None:  # no zero fill: each slot is written once, gaps zeroed at launch
                     slot.staging = torch.empty(
-                        slot.bucket.padded_numel, dtype=self.comm_dtype, device=grad.device
+                        slot.bucket.padded_numel, dtype=slot.comm_dtype, device=grad.device
                     )
                 target = slot.staging[offset : offset + n]
                 if slot.ready[index]:  # a second gradient for the same parameter in this backward
@@ -139,7 +149,7 @@ class ShardedGradReducer:
     def _launch(self, slot: _Slot) -> None:
         bucket = slot.bucket
         if slot.staging is None:  # no parameter of this bucket got a gradient on this rank
-            slot.staging = torch.zeros(bucket.padded_numel, dtype=self.comm_dtype, device=bucket.device)
+            slot.staging = torch.zeros(bucket.padded_numel, dtype=slot.comm_dtype, device=bucket.device)
         elif slot.staging.numel() > bucket.numel or slot.num_ready < len(bucket.params):
             slot.staging[bucket.numel :].zero_()  # padding
             for i in range(len(bucket.params)):
@@ -165,7 +175,7 @@ class ShardedGradReducer:
 
     def _complete(self, slot: _Slot, own: torch.Tensor, work) -> None:
         work.wait()
-        post = 1.0 if self.prescale else self.predivide / self.world_size
+        post = 1.0 if self.prescale or not self.average else self.predivide / self.world_size
         if self.shard_sink is not None:
             shard = self.shard_sink(slot.index, own, post, slot.fresh)
         elif slot.fresh:  # the first reduction since zero(): written, so zero() needs no pass over memory
@@ -208,6 +218,14 @@ class ShardedGradReducer:
             slot.fresh = True
             for p in slot.bucket.params:
                 p.grad = None
+
+    def move_to(self, device: torch.device, pin_memory: bool = False, non_blocking: bool = False) -> None:
+        """Move the reduced gradient shards to `device` (`engine.offload_states`)."""
+        from shardspeed.zero.flat_params import _moved
+
+        for slot in self.slots:
+            if slot.grad_shard is not None:
+                slot.grad_shard = _moved(slot.grad_shard, device, pin_memory, non_blocking)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

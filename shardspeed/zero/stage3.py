@@ -48,8 +48,10 @@ class Stage3Coordinator:
 
     def __init__(self, root: nn.Module, units: list[ParamUnit], *, prefetch_numel: int = 50_000_000,
                  max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 tier=None):  # fmt: skip
+                 tier=None, log_order_changes: bool = False):  # fmt: skip
         self.units = units
+        self.log_order_changes = log_order_changes  # DeepSpeed's `log_trace_cache_warnings`
+        self.steps = 0
         self.tier = tier  # parameter offload (swap/param_swapper.py), or None
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -247,6 +249,14 @@ class Stage3Coordinator:
             unit.awaiting_grads = False
             if unit.refs == 0:
                 unit.free()
+        if self.log_order_changes and self.order and self._this_step and self._this_step != self.order:
+            pairs = enumerate(zip(self.order, self._this_step))
+            first = next((i for i, (a, b) in pairs if a is not b), min(len(self.order), len(self._this_step)))
+            logger.warning(
+                f"ZeRO-3 gather order changed at step {self.steps} (first difference at gather {first}): the "
+                "prefetch order is re-recorded"
+            )
+        self.steps += 1
         self.order, self._this_step, self._seen = self._this_step or self.order, [], set()
         self._position = {id(u): i for i, u in enumerate(self.order)}  # pre-forward hooks look up here
         # A unit's reuse distance: the units after it are gathered once in forward and once in backward
@@ -260,6 +270,14 @@ class Stage3Coordinator:
     def after_step(self) -> None:
         for unit in self.units:
             unit.refresh()
+
+    def release_all(self) -> None:
+        """Free every gathered unit nothing holds (not the persistent ones): `engine.empty_partition_cache`."""
+        self._lingering, self._kept = None, []
+        for unit in self.units:
+            if unit.refs == 0:
+                unit.awaiting_grads = False
+                unit.free()
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -301,9 +319,11 @@ class _GatheringParameters(dict):
 
 
 def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, persistence_threshold: int,
-                model_persistence_threshold: int, group, tier=None,
-                owned: set[int] | None = None) -> list[ParamUnit]:  # fmt: skip
-    """One ParamUnit per (unit root, optimizer group); parameters outside every group form frozen units.
+                model_persistence_threshold: int, group, tier=None, owned: set[int] | None = None,
+                split_by=None, allgather_sequential: bool = False,
+                fetch_with_all_reduce: bool = False) -> list[ParamUnit]:  # fmt: skip
+    """One ParamUnit per (unit root, optimizer group, value of `split_by(param)` such as the communication
+    dtype); parameters outside every group form frozen units.
 
     A unit of at most `persistence_threshold` elements stays gathered, while the persistent units' total
     stays within `model_persistence_threshold` (DeepSpeed's `stage3_model_persistence_threshold`).
@@ -321,13 +341,18 @@ def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, p
             if owned is not None and id(p) not in owned:
                 continue  # another wrapper's parameter (MoE: experts are partitioned in their own group)
             gi = group_of.get(id(p)) if p.requires_grad else None
-            by_group.setdefault(gi, []).append(p)
-        for gi, members in by_group.items():
+            by_group.setdefault((gi, split_by(p) if split_by is not None else None), []).append(p)
+        for (gi, _), members in by_group.items():
             numel = sum(logical_numel(p) for p in members)
             persistent = (
                 numel <= persistence_threshold and persistent_numel + numel <= model_persistence_threshold
             )
             persistent_numel += numel if persistent else 0
             unit_names = [names[p] for p in members]
-            units.append(ParamUnit(root, members, unit_names, gi, world, rank, group, persistent, live, tier))
+            unit = ParamUnit(root, members, unit_names, gi, world, rank, group, persistent, live, tier)
+            unit.allgather_sequential, unit.fetch_with_all_reduce = (
+                allgather_sequential,
+                fetch_with_all_reduce,
+            )
+            units.append(unit)
     return units

@@ -38,5 +38,16 @@ def test_every_block_has_a_documented_section():
     assert {"zero_optimization", "zero_optimization.offload_param", "fp16", "checkpoint"} <= blocks
 
 
+def test_key_tables_are_generated_from_the_schema():
+    # docs/config_tables.py writes the "Every key" section; rerun it after changing a config block.
+    import subprocess
+    import sys
+
+    script = DOCS.parent / "config_tables.py"
+    assert subprocess.run([sys.executable, str(script), "--check"]).returncode == 0, (
+        "docs/configuration.md's key tables are out of date: run python docs/config_tables.py"
+    )
+
+
 def test_config_warning_is_a_user_warning():
     assert issubclass(ConfigWarning, UserWarning)

@@ -4,23 +4,23 @@ Transformers' `prevent_arange_dtype_change` swaps `zero_wrapper_for_fp_tensor_co
 construction so that `zero.Init` does not cast `torch.arange` results (RoPE tables) to the training dtype.
 shardspeed's `zero.Init` never wraps tensor constructors (it casts parameters when it partitions them), so
 the wrapper here is only what such code reads and restores: it returns the constructor unchanged apart from
-the device. `ZeroParamStatus` lets code ask about a parameter's state the DeepSpeed way.
+the device. `ZeroParamStatus` (a parameter's `ds_status`) and `ZeroParamType` let code ask about a
+parameter's state the DeepSpeed way; they are defined with zero.Init (zero/init.py).
 """
 
 from __future__ import annotations
-
-import enum
 
 import torch
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.zero import GatheredParameters, Init
-from shardspeed.zero.init import is_partitioned
+from shardspeed.zero.init import ZeroParamStatus, ZeroParamType, is_partitioned
 
 __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "ZeroParamType",
     "get_accelerator",
     "is_zero_param",
     "zero_wrapper_for_fp_tensor_constructor",
@@ -31,12 +31,6 @@ _orig_torch_zeros = torch.zeros
 _orig_torch_ones = torch.ones
 _orig_torch_full = torch.full
 _orig_torch_arange = torch.arange
-
-
-class ZeroParamStatus(enum.Enum):
-    AVAILABLE = 1  # the full value is present
-    NOT_AVAILABLE = 2  # only this rank's partition exists
-    INFLIGHT = 3  # being gathered
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):
