@@ -158,7 +158,9 @@ class _Gradients:
         if self.dmask is not None:
             self.dmask[:, s0:s1] += grad_logits.sum(dim=(2, 3), keepdim=True)
         if self.dpair is not None:
-            self.dpair[..., r0:r1, :] += grad_logits.sum(dim=1, keepdim=True)
+            # a one-sequence block adds in place; a sum over the block's sequences first is 1/c of a block
+            per_pair = grad_logits if grad_logits.shape[1] == 1 else grad_logits.sum(dim=1, keepdim=True)
+            self.dpair[..., r0:r1, :] += per_pair
 
     def end_sequence_block(self, s0, s1) -> None:
         for full, block in ((self.dk, self.dk_c), (self.dv, self.dv_c)):
@@ -189,9 +191,10 @@ def _backward(kernel, plan: ChunkPlan, saved, grad_out, needs_input_grad):
             rows = (slice(None), slice(s0, s1), slice(None), slice(r0, r1))
             pair_b = None if pair is None else pair[..., r0:r1, :]
             lse_b = None if lse is None else lse[rows]
-            results = kernel.backward(qh[rows].to(compute), k_c, v_c, mask_c, pair_b, oh[rows].to(compute),
-                                      lse_b, gh[rows].to(compute), kernel_need)  # fmt: skip
-            grads.add_block(*block, *results)
+            block_grads = kernel.backward(qh[rows].to(compute), k_c, v_c, mask_c, pair_b, oh[rows].to(compute),
+                                          lse_b, gh[rows].to(compute), kernel_need)  # fmt: skip
+            grads.add_block(*block, *block_grads)
+            del block_grads  # else this block's dS stays alive through the next block's peak
         grads.end_sequence_block(s0, s1)
     return grads.result(mask, pair)
 
