@@ -173,6 +173,15 @@ def test_blocks_are_sized_from_the_memory_target():
     assert plan.seq_slices(5) == [(0, 2), (2, 4), (4, 5)]
 
 
+def test_default_target_per_device():
+    from shardspeed.ops.deepspeed4science.chunking import memory_target_bytes
+
+    assert memory_target_bytes(2**20, "cpu") == 8 * 2**20  # the floor
+    assert memory_target_bytes(2**30, "cpu") == 2**30  # the bytes of Q
+    assert memory_target_bytes(2**20, "cuda") == 256 * 2**20  # GPUs: larger blocks, fewer kernel launches
+    assert memory_target_bytes(2**20, "mps") == 8 * 2**20
+
+
 def test_environment_target_changes_the_blocks(monkeypatch):
     from shardspeed.ops.deepspeed4science.evoformer_attn import AttentionOptions
 

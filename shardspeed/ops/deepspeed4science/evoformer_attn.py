@@ -58,7 +58,7 @@ class AttentionOptions:
 
     def plan_for(self, q: torch.Tensor, kernel) -> ChunkPlan:
         itemsize = torch.empty((), dtype=kernel.compute_dtype(q.dtype)).element_size()
-        target = memory_target_bytes(q.numel() * q.element_size())
+        target = memory_target_bytes(q.numel() * q.element_size(), q.device.type)
         return plan_chunks(tuple(q.shape), itemsize, target, self.chunk_size, self.query_chunk_size)
 
 
