@@ -146,7 +146,7 @@ def render_block(result: dict, how: str) -> list[str]:
     lines = [
         f"One block of examples/evoformer/model.py (n_seq {BLOCK['n_seq']}, {BLOCK['model']}), forward + "
         f"backward, fp32: the largest n_res whose step peaks within {block['budget_mib']:.0f} MiB ({how} above "
-        "the model and batch).",
+        "the model and batch; gradients included).",
         "",
         "| attention | largest n_res within the budget | its peak (MiB) | its step (s) | next n_res tried: peak (MiB) |",
         "|---|---|---|---|---|",

@@ -10,8 +10,8 @@ bias and a pair bias, every input requiring grad, by one system:
   that requires grad (CUDA runs: its memory-efficient kernel; on the CPU it would fall back to the math
   path, i.e. the plain reference).
 
-Memory on the CPU, per case in a fresh process: one warm-up step (grads are dropped between steps, so
-the baseline holds the inputs only), then
+Memory on the CPU, per case in a fresh process: one warm-up step, its gradients dropped (the baseline
+holds the inputs only; the measured step's output and input gradients count), then
 - rss: VmHWM reset to the current RSS (`echo 5 > /proc/self/clear_refs`), one step, VmHWM minus the RSS
   before it. glibc is told to serve allocations over 64 KiB by mmap (MALLOC_MMAP_THRESHOLD_, set by the
   parent), so a freed tensor leaves RSS at once and the figure is the high-water mark of live tensors;
@@ -102,6 +102,8 @@ def cpu_memory(case: dict, queue) -> None:
     )
     fn = attention(case["system"])
     step(fn, leaves, grad_out)
+    for t in leaves:  # the measured step's input gradients count, as in the tracked figure
+        t.grad = None
     baseline = status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     step(fn, leaves, grad_out)
@@ -154,6 +156,7 @@ def block_step_memory(case: dict, queue) -> None:
         model(batch).backward()
 
     train_step()
+    model.zero_grad(set_to_none=True)
     baseline = status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     start = time.perf_counter()
