@@ -121,6 +121,15 @@ def test_only_the_gradients_asked_for_are_computed_and_they_are_right():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_double_backward_is_refused():
+    tensors, grad_out = _inputs((1, 2, 8, 2, 4))
+    q = tensors[0].requires_grad_()
+    out = DS4Sci_EvoformerAttention(q, *tensors[1:3], [])
+    (dq,) = torch.autograd.grad(out, q, grad_out.requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        dq.sum().backward()
+
+
 def test_inference_without_grad_and_non_contiguous_inputs():
     tensors, _ = _inputs((2, 3, 16, 2, 8))
     q, k, v, mask, pair = tensors

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from shardspeed.ops.deepspeed4science.chunking import (
     ChunkPlan,
@@ -216,6 +217,7 @@ class EvoformerFusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # no double backward (DeepSpeed's kernel has none either): a clear error, not a wrong graph
     def backward(ctx, grad_out):
         grads = _backward(ctx.kernel, ctx.plan, ctx.saved_tensors, grad_out, ctx.needs_input_grad)
         return (*grads, None)
