@@ -16,11 +16,11 @@ from .alias_path import alias_version, env_with_alias
 # paths (docs/compatibility.md lists who uses which).
 CHECK_NAMES = textwrap.dedent(
     """
-    import importlib, importlib.metadata, sys
+    import importlib, importlib.metadata, importlib.util, sys
     import deepspeed, shardspeed
     assert deepspeed.__version__ == importlib.metadata.version("deepspeed") == VERSION, deepspeed.__version__
     modules = [
-        "zero", "comm", "accelerator", "ops.adam", "ops.adagrad", "ops.lion", "utils", "utils.groups",
+        "zero", "comm", "accelerator", "ops.adam", "ops.adagrad", "ops.lion", "ops.deepspeed4science", "utils", "utils.groups",
         "utils.logging", "checkpoint.utils", "runtime.engine", "runtime.lr_schedules", "runtime.zero",
         "runtime.zero.partition_parameters", "runtime.base_optimizer", "runtime.sequence_parallel.ulysses_sp",
         "launcher.runner",
@@ -43,6 +43,8 @@ CHECK_NAMES = textwrap.dedent(
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
     from deepspeed.ops.lion import DeepSpeedCPULion
+    from deepspeed.ops.deepspeed4science import DS4Sci_EvoformerAttention  # OpenFold's import
+    assert importlib.util.find_spec("deepspeed.ops.deepspeed4science") is not None  # OpenFold's check
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
     from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
