@@ -4,7 +4,8 @@
 ``generation_config`` defaults (as Hugging Face does); ``generate_tokens`` runs prefill, then one decode step
 per token, and returns what HF's ``generate`` returns for a decoder-only model: ``[batch, prompt + new]``
 token ids, rows that stopped early padded with ``pad_token_id``. ``next_tokens`` (greedy / temperature,
-top-k, top-p sampling) is shared with the server's scheduler.
+top-k, top-p sampling) is the batch sampler of ``generate``; the server's per-request sampler, with its
+penalties, biases and log-probabilities, is sampling.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,29 @@ class GenerationSettings:
     top_p: float = 1.0
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
+    # The server's per-request fields (OpenAI's and vLLM's; sampling.py applies them). ``generate`` never
+    # sets them: its own arguments of the same meaning go to the model's generate (see ``unhandled``).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k most likely
+    prompt_logprobs: bool = False  # also for every prompt token (OpenAI's echo with logprobs)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to adjust or report: the batcher takes the batch's argmax for this row."""
+        return (
+            not self.do_sample
+            and self.logprobs is None
+            and not self.logit_bias
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+            and self.repetition_penalty == 1
+            and self.min_new_tokens == 0
+        )
 
     HANDLED = frozenset(
         {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
@@ -91,6 +115,8 @@ class GenerationSettings:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
 
 
 def next_tokens(logits: torch.Tensor, settings: GenerationSettings, generator=None) -> torch.Tensor:
