@@ -13,8 +13,9 @@ its log-probability and the ``logprobs`` most likely alternatives when asked. In
    from the request's own seeded generator.
 
 Everything the HTTP layer lets through must be safe here: temperatures below ``GREEDY_BELOW`` are greedy
-(dividing logits by 1e-300 overflows to inf), and a distribution that is not finite raises ``ValueError``,
-which ends that request only.
+(dividing logits by 1e-300 overflows to inf), scores are shifted so the best is 0 before the temperature
+divides them, a tiny ``repetition_penalty`` cannot push a score to +inf, and a distribution that is still
+not finite raises ``ValueError``, which ends that request only.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def adjust(logits: torch.Tensor, settings: GenerationSettings, prompt_ids, gener
         scores = logits[seen]
         penalty = settings.repetition_penalty
         logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+        logits.clamp_(max=torch.finfo(logits.dtype).max)  # a tiny penalty must not make +inf (inf - inf = NaN)
     if generated and (settings.presence_penalty or settings.frequency_penalty):
         counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=vocab)[:vocab]
         logits -= settings.frequency_penalty * counts + settings.presence_penalty * (counts > 0)
@@ -66,7 +68,8 @@ def adjust(logits: torch.Tensor, settings: GenerationSettings, prompt_ids, gener
 
 
 def _sample(scores: torch.Tensor, settings: GenerationSettings, generator) -> int:
-    scores = scores / settings.temperature
+    # Best score first to 0: dividing by a small temperature then never overflows to +inf.
+    scores = (scores - scores.max()) / settings.temperature
     if settings.top_k:
         kth = torch.topk(scores, min(settings.top_k, scores.shape[-1])).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

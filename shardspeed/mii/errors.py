@@ -81,6 +81,7 @@ def validation_error(errors: list[dict]) -> APIError:
     if kind == "extra_forbidden":
         return APIError(400, f"{param}: unknown field, not supported by this server", param)
     if kind == "missing":
+        param = param or "body"
         return APIError(400, f"{param}: required field missing", param)
     message = message.removeprefix("Value error, ")
     if param is None:

@@ -6,7 +6,8 @@ This module is the command: its arguments (``--help`` works without the ``serve`
 model (``load_engine``, the one place it happens), the generation loop on a thread (engine_loop.py) and
 uvicorn serving the FastAPI app (app.py). Lifecycle:
   * SIGTERM / Ctrl-C: uvicorn stops accepting, lets in-flight requests finish for ``--shutdown-timeout``
-    seconds and cancels the rest; the generation loop then ends every request still pending; exit 0;
+    seconds and cancels the rest; the generation loop then ends every request still pending; the
+    process exits 0 at once (``os._exit``: the interpreter's teardown is skipped, it can take seconds);
   * the generation loop dies (a bug, not one bad request: those end alone): pending requests get an
     error, ``/health`` says "failed", the server shuts down the same way and the process exits 1, for a
     supervisor to restart it;
@@ -17,9 +18,12 @@ uvicorn serving the FastAPI app (app.py). Lifecycle:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 
 __all__ = ["load_engine", "main"]
 
@@ -111,6 +115,30 @@ def main(argv=None) -> int:
     return _serve(args, engine, tokenizer, loop)
 
 
+def _uvicorn_server(config):
+    """uvicorn's server, except that SIGTERM/SIGINT are not raised again once it has shut down.
+
+    uvicorn re-raises a caught signal after its own shutdown, so the process would die by it before the
+    generation loop is stopped; here the command finishes its shutdown and exits with its own status.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
 def _serve(args, engine, tokenizer, loop) -> int:
     import uvicorn
 
@@ -124,7 +152,7 @@ def _serve(args, engine, tokenizer, loop) -> int:
     app = create_app(service, metrics=metrics, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
-    server = uvicorn.Server(config)
+    server = _uvicorn_server(config)
 
     def loop_died(_error) -> None:  # called on the loop's thread: uvicorn polls should_exit
         server.should_exit = True
@@ -137,10 +165,16 @@ def _serve(args, engine, tokenizer, loop) -> int:
         server.run()
     finally:
         loop.stop(timeout=args.shutdown_timeout)
+    code = 0 if server.started else 1
     if loop.error is not None:
         logger.critical("exiting with status 1: the generation loop failed (%r)", loop.error)
-        return 1
-    return 0 if server.started else 1
+        code = 1
+    # Leave now: everything is answered or cancelled, and the interpreter's own teardown (torch,
+    # tokenizers, the loop thread if it is stuck in a step) can take many seconds on a loaded machine.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

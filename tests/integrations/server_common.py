@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,12 +60,15 @@ def start_server(model_dir, *args: str, script: str | None = None, timeout: floa
         "tiny",
         *args,
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Output to a file, not a pipe: a pipe nobody reads fills up and blocks the server's log writes.
+    with tempfile.NamedTemporaryFile("w", prefix="shardspeed-serve-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    process.log_path = log.name
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}: {process.stdout.read()[-3000:]}")
+            raise RuntimeError(f"server exited with {process.returncode}: {server_log(process)[-3000:]}")
         try:
             if httpx.get(base + "/health", timeout=5).status_code == 200:
                 return process, base
@@ -74,6 +78,11 @@ def start_server(model_dir, *args: str, script: str | None = None, timeout: floa
             process.kill()
             raise TimeoutError(f"server on {base} not ready within {timeout:.0f} s")
         time.sleep(0.2)
+
+
+def server_log(process) -> str:
+    with open(process.log_path, errors="replace") as handle:
+        return handle.read()
 
 
 def stop_server(process) -> int:
