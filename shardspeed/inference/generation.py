@@ -132,6 +132,7 @@ def next_tokens(logits: torch.Tensor, settings: GenerationSettings, generator=No
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         # Drop a token once the mass before it already reaches top_p (the best token always stays).
         drop_sorted = (cumulative - sorted_scores.softmax(-1)) >= settings.top_p
+        drop_sorted[..., 0] = False  # even when top_p rounds to 0 in the scores' dtype
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(-1)

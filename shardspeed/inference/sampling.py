@@ -78,6 +78,7 @@ def _sample(scores: torch.Tensor, settings: GenerationSettings, generator) -> in
         probs = sorted_scores.softmax(-1)
         # Drop a token once the mass before it already reaches top_p (the best token always stays).
         drop_sorted = (probs.cumsum(-1) - probs) >= settings.top_p
+        drop_sorted[..., 0] = False  # even when top_p rounds to 0 in the scores' dtype
         scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     probs = scores.softmax(-1)
     if not bool(torch.isfinite(probs).all()):
