@@ -149,6 +149,7 @@ def generate_tokens(decoder, input_ids, attention_mask, settings: GenerationSett
             f"max_out_tokens ({max_len}) of the inference config"
         )
     eos = torch.tensor(settings.eos_token_ids, dtype=input_ids.dtype, device=input_ids.device)
+    has_eos = bool(settings.eos_token_ids)
     generated = torch.empty(batch, settings.max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     try:
@@ -160,7 +161,7 @@ def generate_tokens(decoder, input_ids, attention_mask, settings: GenerationSett
                 tokens = tokens.masked_fill(finished, settings.pad_token_id)
             generated[:, step] = tokens
             steps = step + 1
-            if len(eos):
+            if has_eos:  # a Python bool: len() of a tensor costs a dispatch per token
                 finished |= torch.isin(tokens, eos)
                 if bool(finished.all()):  # one host sync per token, as HF's stopping criteria
                     break

@@ -55,7 +55,9 @@ def adjust(logits: torch.Tensor, settings: GenerationSettings, prompt_ids, gener
         scores = logits[seen]
         penalty = settings.repetition_penalty
         logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
-        logits.clamp_(max=torch.finfo(logits.dtype).max)  # a tiny penalty must not make +inf (inf - inf = NaN)
+        logits.clamp_(
+            max=torch.finfo(logits.dtype).max
+        )  # a tiny penalty must not make +inf (inf - inf = NaN)
     if generated and (settings.presence_penalty or settings.frequency_penalty):
         counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=vocab)[:vocab]
         logits -= settings.frequency_penalty * counts + settings.presence_penalty * (counts > 0)
