@@ -287,8 +287,10 @@ async def _stream(service: GenerationService, run: Run, request: Request, shape,
             opening = shape.opening(candidate)
             if opening is not None:
                 yield chunk([opening])
+        # With log-probabilities asked for, every token gets its chunk (its text may be held back: empty).
+        every_token = shape.body.logprobs not in (None, False)
         async for candidate, text in run.events():
-            if text or candidate.finish_reason is not None:
+            if text or every_token or candidate.finish_reason is not None:
                 yield chunk([shape.delta(candidate, text)])
         if usage:
             yield chunk([], usage=run.usage())
