@@ -412,3 +412,17 @@ def test_text_stream_holds_back_stop_strings_and_partial_characters():
     assert "".join(pieces) + out.finish() == "ab" and out.stopped
     pieces, out = stream("abx", ["xyz"])
     assert "".join(pieces) == "ab" and out.finish() == "x"  # held back, then released at the end
+
+
+def test_serve_command_help_and_missing_extra():
+    """`shardspeed-serve --help` needs no extra; without one, the command names the missing package."""
+    import subprocess
+    import sys
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "shardspeed.mii.server", "--help"], capture_output=True, text=True
+    )
+    assert shown.returncode == 0 and "--api-key" in shown.stdout and "--no-prefix-caching" in shown.stdout
+    hidden = "import sys; sys.modules['fastapi'] = None; from shardspeed.mii.server import main; sys.exit(main(['x']))"
+    missing = subprocess.run([sys.executable, "-c", hidden], capture_output=True, text=True)
+    assert missing.returncode == 2 and "fastapi" in missing.stderr and "shardspeed[serve]" in missing.stderr
