@@ -35,6 +35,18 @@ __all__ = ["FastDecoder", "ModelDecoder", "make_decoder"]
 _STATIC_ROPE = {"default", "linear", "llama3"}
 
 
+def _direct(module):
+    """A plain ``nn.Linear`` or SiLU as a direct functional call (no module dispatch per token), else the module.
+
+    The weight is read at each call, so weights replaced later (``.to(dtype)``, a new state dict) are used.
+    """
+    if type(module) is torch.nn.Linear:
+        return lambda x: F.linear(x, module.weight, module.bias)
+    if type(module) is torch.nn.SiLU or type(module).__name__ == "SiLUActivation":
+        return F.silu
+    return module
+
+
 def _signed(sin):
     """sin with the first half of its last dimension negated (``rotate_half``'s sign, folded in)."""
     half = sin.shape[-1] // 2
@@ -119,6 +131,10 @@ class FastDecoder:
         self.input_norms = [_rms_norm(layer.input_layernorm) for layer in self.layers]
         self.post_norms = [_rms_norm(layer.post_attention_layernorm) for layer in self.layers]
         self.final_norm = _rms_norm(self.norm)
+        self.o_proj = [_direct(layer.self_attn.o_proj) for layer in self.layers]
+        self.down_proj = [_direct(getattr(layer.mlp, "down_proj", None)) for layer in self.layers]
+        self.act_fn = [_direct(getattr(layer.mlp, "act_fn", None)) for layer in self.layers]
+        self.head = _direct(self.lm_head)
         self._rope_table: tuple | None = None  # (dtype, device, cos, sin, signed sin), each [max_len, dim]
         self.joint_rope = all(f is not None for f in self.qkv) and self._joint_rope_matches()
 
@@ -193,22 +209,21 @@ class FastDecoder:
         rope = self._cos_sin(hidden, positions, cache.max_len)
         batch, steps = input_ids.shape
         for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
             q, k, v = self._attention_inputs(index, layer, self.input_norms[index](hidden), rope)
             k_all, v_all, mask = cache.update(index, k, v)
             out = _attention(q, k_all, v_all, mask, self.scale)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
+            hidden = hidden + self.o_proj[index](out.transpose(1, 2).reshape(batch, steps, -1))
             hidden = hidden + self._mlp(index, layer, self.post_norms[index](hidden))
         if last_only:
             hidden = hidden[:, -1:]
-        return self.lm_head(self.final_norm(hidden))
+        return self.head(self.final_norm(hidden))
 
     def _mlp(self, index: int, layer, x):
         fused = self.gate_up[index]
         if fused is None:
             return layer.mlp(x)
         gate, up = fused(x)
-        return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return self.down_proj[index](self.act_fn[index](gate) * up)
 
     # ---- generate's protocol (a fixed batch over a StaticKVCache) ------------------------------------
     def prefill(self, input_ids, attention_mask, max_len: int):

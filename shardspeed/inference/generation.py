@@ -157,7 +157,7 @@ def generate_tokens(decoder, input_ids, attention_mask, settings: GenerationSett
         steps = 0
         for step in range(settings.max_new_tokens):
             tokens = next_tokens(logits, settings)
-            if settings.pad_token_id is not None:
+            if has_eos and settings.pad_token_id is not None:  # without stop tokens no row ever finishes
                 tokens = tokens.masked_fill(finished, settings.pad_token_id)
             generated[:, step] = tokens
             steps = step + 1
