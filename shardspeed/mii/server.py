@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     if args.tensor_parallel > 1 and "RANK" not in os.environ:
         return _relaunch_under_launcher(args, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("shardspeed.mii").setLevel(args.log_level.upper())  # shardspeed's logger is at INFO
     from shardspeed.inference.scheduler import ContinuousBatcher
 
     from .engine_loop import EngineLoop
