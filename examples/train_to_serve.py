@@ -45,7 +45,9 @@ def tiny_llama(dim: int, layers: int, seq: int) -> LlamaForCausalLM:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
-    parser.add_argument("--steps", type=int, default=1000, help="keep equal to the scheduler's total_num_steps")
+    parser.add_argument(
+        "--steps", type=int, default=1000, help="keep equal to the scheduler's total_num_steps"
+    )
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)

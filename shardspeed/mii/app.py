@@ -125,7 +125,7 @@ def _generation_routes(app: FastAPI, service: GenerationService) -> None:
         settings = service.settings(
             body, max_new, wanted, echo_logprobs=body.echo and body.logprobs is not None
         )
-        run = service.start(prompts, settings, generations, body.seed, body.stops)
+        run = service.start(prompts, settings, generations, body.seed, body.stops, body.stream)
         request.state.log.update(model=service.model_name, n=body.n, stream=body.stream, user=body.user)
         ids, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -149,7 +149,8 @@ def _generation_routes(app: FastAPI, service: GenerationService) -> None:
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_new = service.budget(prompts, limit, name, "messages")
         wanted = (body.top_logprobs or 0) if body.logprobs else None
-        run = service.start(prompts, service.settings(body, max_new, wanted), body.n, body.seed, body.stops)
+        settings = service.settings(body, max_new, wanted)
+        run = service.start(prompts, settings, body.n, body.seed, body.stops, body.stream)
         request.state.log.update(model=service.model_name, n=body.n, stream=body.stream, user=body.user)
         ids, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         shape = _ChatShape(tokenizer, body)

@@ -208,7 +208,8 @@ class GenerationService:
         return settings
 
     # ---- running ----------------------------------------------------------------------------------
-    def start(self, prompts: list[list[int]], settings: GenerationSettings, n: int, seed, stops) -> Run:
+    def start(self, prompts: list[list[int]], settings, n: int, seed, stops, stream: bool = False) -> Run:
+        """One generation per prompt and choice; ``settings`` one for all prompts or a list, one each."""
         if len(prompts) * n > MAX_CANDIDATES:
             raise APIError(
                 400, f"n: {len(prompts)} prompts x {n} generations exceeds {MAX_CANDIDATES} per request", "n"
@@ -229,8 +230,10 @@ class GenerationService:
 
                 # Each choice its own seed (a given seed stays reproducible); none given: the request id.
                 choice_seed = None if seed is None else (seed + choice) % 2**63
-                request = BatchRequest(prompt_ids=ids, settings=settings, emit=emit, seed=choice_seed)
-                candidates.append(Candidate(index, prompt_index, request, TextStream(self.tokenizer, stops)))
+                own = settings[prompt_index] if isinstance(settings, list) else settings
+                request = BatchRequest(prompt_ids=ids, settings=own, emit=emit, seed=choice_seed)
+                text = TextStream(self.tokenizer, stops, incremental=stream)
+                candidates.append(Candidate(index, prompt_index, request, text))
         run = Run(self, candidates, queue)
         for candidate in candidates:
             self.loop.submit(candidate.request)

@@ -5,7 +5,8 @@ token settles them: a character still incomplete (a byte-level tokenizer's multi
 U+FFFD until its last byte arrives), and an end of text that could be the start of a stop string (with
 ``stop=["\\n\\n"]``, a trailing ``"\\n"`` waits). When a stop string appears, the text ends just before it,
 ``stopped`` is set, and the stop string is never sent. ``finish()`` releases what was held back when the
-generation ended for another reason.
+generation ended for another reason. With ``incremental=False`` (a plain answer without stop strings:
+nothing to send early, nothing to look for) tokens are only collected and decoded once, at ``finish()``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ __all__ = ["TextStream"]
 
 
 class TextStream:
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str], incremental: bool = True):
         self.tokenizer, self.stops = tokenizer, list(stops)
+        self.incremental = incremental or bool(self.stops)
         self.tokens: list[int] = []
         self.text = ""  # everything decoded so far (up to a stop string, once one is found)
         self.sent = 0  # characters of ``text`` already handed out
@@ -29,6 +31,8 @@ class TextStream:
         if self.stopped:
             return ""
         self.tokens.append(token)
+        if not self.incremental:
+            return ""
         self.text = self._decode()
         if self.stops:
             # A stop string may straddle what was sent and the new text: search a little before ``sent``.
@@ -58,4 +62,6 @@ class TextStream:
 
     def finish(self) -> str:
         """The generation ended (length, end of text): release everything held back."""
+        if not self.incremental:
+            self.text = self._decode()
         return self._release(len(self.text))

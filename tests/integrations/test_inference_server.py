@@ -92,6 +92,11 @@ def test_server_concurrent_requests_and_disconnect(model_dir):
         assert [a["generated_text"] for a in answers] == [
             reference_text(model, tokenizer, p, 6)[0] for p in PROMPTS[:2]
         ]
+        # MII's max_length counts the prompt: each prompt gets what is left of it
+        answers = client.generate(PROMPTS[:2], max_length=12, return_full_text=True)
+        assert [a["generated_text"] for a in answers] == [
+            p + reference_text(model, tokenizer, p, 12 - len(p))[0] for p in PROMPTS[:2]
+        ]
 
         # a client that goes away mid-stream: its request is cancelled, its blocks come back
         with http.stream("POST", "/v1/completions", json={"prompt": "def ", "max_tokens": 120, "stream": True,
