@@ -234,7 +234,7 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
     base, _, _ = server
     # Bounded: a fixed number of examples per operation, and the run itself under a time limit.
     command = [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json", "--checks",
-               "not_a_server_error", "--max-examples", "10", "--phases", "examples,coverage,fuzzing", "--workers", "1",
+               "not_a_server_error", "--max-examples", "5", "--phases", "examples,coverage,fuzzing", "--workers", "1",
                "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "120", "--suppress-health-check", "all",
                "--seed", "1", "--exclude-path", "/metrics"]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
