@@ -351,6 +351,11 @@ def _render_generate(gen: dict) -> list[str]:
                 )
                 lines.append(f"\n{name} / hf_generate ({what} time): {r1:.2f}x tokens/s at batch 1, {r8:.2f}x at "
                              f"batch 8, {rt:.2f}x faster first token")  # fmt: skip
+                # The same ratio taken within each round (the two ran back to back, under the same load),
+                # then the median over rounds: steadier than a ratio of medians on a machine whose load drifts.
+                paired = [a / b for a, b in zip(s[name][prefix + "tps_b1"], hf[prefix + "tps_b1"])]
+                lines.append(f"  paired per round, batch 1: median {statistics.median(paired):.2f}x "
+                             f"({min(paired):.2f}-{max(paired):.2f})")  # fmt: skip
         lines.append("")
     return lines
 
@@ -403,6 +408,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--parts", nargs="+", default=["generate", "tp", "server"])
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite the .md from the .json, run nothing"
+    )
     parser.add_argument("--port", type=int, default=28571)
     parser.add_argument("--tp-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--system", default="shardspeed", help=argparse.SUPPRESS)
@@ -414,6 +422,9 @@ def main() -> None:
     out = Path(args.out)
     previous = out / "inference.json"
     result = json.loads(previous.read_text()) if previous.exists() else {}  # parts run from two venvs merge
+    if args.render_only:
+        (out / "inference.md").write_text(render(result))
+        return
     result["note"] = (
         "Shared 2-core CPU machine, loaded by other jobs: wall-clock figures are noisy (each part says the "
         "load average when it started). Medians over interleaved rounds, (min-max) in brackets."
