@@ -1,18 +1,24 @@
 """Inference speed: shardspeed's init_inference next to Hugging Face `generate` and DeepSpeed's init_inference.
 
     DS_ACCELERATOR=cpu PYTHONPATH=. /work/benchvenv/bin/python benchmarks/inference.py --parts generate tp
-    python benchmarks/inference.py --parts server        # an environment with the serve extra
+    python benchmarks/inference.py --parts server prefix # an environment with the serve extra
 
 Needs transformers (and DeepSpeed for its column; `pip install 'shardspeed[bench,serve]'`). Three parts, each
 one interleaved run (the systems take turns every round; medians and min/max over rounds):
 
 1. generate: a 7.3M-parameter Llama (4 layers, hidden 256, vocab 8192; random weights), prompt 32 tokens,
    greedy, 64 new tokens (stop token disabled so every system makes all 64), 1 thread. Tokens/s of the whole
-   `generate` call at batch 1 and 8, and time to first token (`max_new_tokens=1`) at batch 1.
+   `generate` call at batch 1 and 8 on the wall clock (the headline), and time to first token
+   (`max_new_tokens=1`) at batch 1; tokens per CPU-second of the process beside them.
 2. tensor parallel: shardspeed at tp 1 (one rank, one thread) and tp 2 (two ranks, one thread each) on the
    same model at batch 32, launched with torchrun; DeepSpeed's tp 2 is tried once and its outcome recorded.
 3. server: `shardspeed-serve` (1 thread) on the same model saved to disk; 32 requests of 64 tokens sent one
    after another, then by 1, 8 and 32 concurrent clients; completion tokens/s over the wall time.
+4. prefix: two `shardspeed-serve` (1 thread each), prefix caching on and off, on the same architecture with
+   the byte vocabulary (257 tokens, so answers compare as text); 32 concurrent streaming chat clients share
+   a 256-token system prompt, each with its own question (new ones every round), greedy, 32 new tokens.
+   Time to first token (to the first chunk carrying a token: logprobs on, so every token has its chunk) per client, median over the 32, per round; the
+   servers take turns; the answers must be the same with and without caching.
 """
 
 from __future__ import annotations
@@ -33,11 +39,11 @@ import torch
 NEW_TOKENS, PROMPT = 64, 32
 
 
-def llama(seed: int = 0):
+def llama(seed: int = 0, vocab: int = 8192):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
                          eos_token_id=None, bos_token_id=None, pad_token_id=0)  # fmt: skip
     model = LlamaForCausalLM(config).eval()
@@ -160,10 +166,10 @@ def bench_tp(rounds: int, with_deepspeed: bool) -> dict:
 
 
 # ---- server ---------------------------------------------------------------------------------------------
-def _save_model(path: Path) -> None:
+def _save_model(path: Path, vocab: int = 8192) -> None:
     from shardspeed.mii.tokenizer import byte_tokenizer
 
-    model = llama()
+    model = llama(vocab=vocab)
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
@@ -179,7 +185,8 @@ async def _clients(base: str, total: int, concurrency: int) -> tuple[float, int]
         nonlocal tokens
         while queue:
             i = queue.pop()
-            body = {"prompt": f"request {i} " + "x" * (8 + i % 24), "max_tokens": NEW_TOKENS}
+            body = {"prompt": f"request {i} " + "x" * (8 + i % 24), "max_tokens": NEW_TOKENS, "temperature": 0,
+                    "ignore_eos": True}  # fmt: skip
             response = await http.post("/v1/completions", json=body)
             tokens += response.json()["usage"]["completion_tokens"]
 
@@ -187,6 +194,11 @@ async def _clients(base: str, total: int, concurrency: int) -> tuple[float, int]
         start = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         return time.perf_counter() - start, tokens
+
+
+def _server_command(path: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "shardspeed.mii.server", str(path), "--port", str(port), "--max-batch", "32",
+            "--log-level", "warning", *extra]  # fmt: skip
 
 
 def bench_server(rounds: int, port: int) -> dict:
@@ -197,17 +209,7 @@ def bench_server(rounds: int, port: int) -> dict:
         path = Path(tmp) / "llama-7m"
         _save_model(path)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [
-            sys.executable,
-            "-m",
-            "shardspeed.mii.server",
-            str(path),
-            "--port",
-            str(port),
-            "--max-batch",
-            "32",
-        ]
-        process = subprocess.Popen(cmd, env=env)
+        process = subprocess.Popen(_server_command(path, port), env=env)
         base = f"http://127.0.0.1:{port}"
         try:
             _wait_ready(base, process, 300)
@@ -223,6 +225,73 @@ def bench_server(rounds: int, port: int) -> dict:
     return results
 
 
+# ---- prefix caching -------------------------------------------------------------------------------------
+SYSTEM_PROMPT = ("You are a careful Python reviewer. Answer with one short line of code and nothing else. "
+                 "Prefer the standard library; never import anything that is not needed; keep names short "
+                 "and clear; follow PEP 8; do not explain; do not apologise; do not repeat the question.")[:256]  # fmt: skip
+
+
+async def _chat_clients(base: str, questions: list[str]) -> tuple[list[float], list[str]]:
+    """Streaming chat requests sent at once: (seconds to the first chunk with text, full answer) each."""
+    import httpx
+
+    async def one(http, question: str):
+        body = {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+                "max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": True}  # fmt: skip
+        start, first, text = time.perf_counter(), None, []
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if (choice.get("logprobs") or {}).get("content"):  # a chunk per token: the first one is here
+                    first = first or time.perf_counter() - start
+                text.append(choice["delta"].get("content") or "")
+        return first, "".join(text)
+
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=64)) as http:
+        answers = await asyncio.gather(*(one(http, q) for q in questions))
+    return [a[0] for a in answers], [a[1] for a in answers]
+
+
+def bench_prefix(rounds: int, port: int) -> dict:
+    from shardspeed.mii.client import _wait_ready
+
+    results: dict = {
+        "ttft_median_s": {"on": [], "off": []},
+        "same_answers": True,
+        "system_prompt_tokens": None,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "llama-7m-bytes"
+        _save_model(path, vocab=257)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        ports = {"on": port + 10, "off": port + 11}
+        processes = {"on": subprocess.Popen(_server_command(path, ports["on"]), env=env),
+                     "off": subprocess.Popen(_server_command(path, ports["off"], "--no-prefix-caching"), env=env)}  # fmt: skip
+        try:
+            for mode, process in processes.items():
+                _wait_ready(f"http://127.0.0.1:{ports[mode]}", process, 300)
+            results["system_prompt_tokens"] = len(SYSTEM_PROMPT.encode())
+            for round_index in range(rounds + 1):  # round 0 warms both servers up and is not counted
+                questions = [
+                    f"Round {round_index}, task {i}: reverse a list of {i + 2} items." for i in range(32)
+                ]
+                answers = {}
+                for mode in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
+                    ttfts, answers[mode] = asyncio.run(
+                        _chat_clients(f"http://127.0.0.1:{ports[mode]}", questions)
+                    )
+                    if round_index:
+                        results["ttft_median_s"][mode].append(statistics.median(ttfts))
+                results["same_answers"] &= answers["on"] == answers["off"]
+        finally:
+            for process in processes.values():
+                process.terminate()
+                process.wait(timeout=30)
+    return results
+
+
 # ---- report ---------------------------------------------------------------------------------------------
 def _stat(values) -> str:
     return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
@@ -234,7 +303,9 @@ def render(result: dict) -> str:
         "",
     ]
     lines += [result["note"], ""]
-    for part, renderer in (("generate", _render_generate), ("tp", _render_tp), ("server", _render_server)):
+    renderers = (("generate", _render_generate), ("tp", _render_tp), ("server", _render_server),
+                 ("prefix", _render_prefix))  # fmt: skip
+    for part, renderer in renderers:
         if result.get(part):
             section = renderer(result[part])
             run = result[part].get("run")
@@ -280,6 +351,11 @@ def _render_generate(gen: dict) -> list[str]:
                 )
                 lines.append(f"\n{name} / hf_generate ({what} time): {r1:.2f}x tokens/s at batch 1, {r8:.2f}x at "
                              f"batch 8, {rt:.2f}x faster first token")  # fmt: skip
+                # The same ratio taken within each round (the two ran back to back, under the same load),
+                # then the median over rounds: steadier than a ratio of medians on a machine whose load drifts.
+                paired = [a / b for a, b in zip(s[name][prefix + "tps_b1"], hf[prefix + "tps_b1"])]
+                lines.append(f"  paired per round, batch 1: median {statistics.median(paired):.2f}x "
+                             f"({min(paired):.2f}-{max(paired):.2f})")  # fmt: skip
         lines.append("")
     return lines
 
@@ -311,12 +387,30 @@ def _render_server(server: dict) -> list[str]:
     return lines
 
 
+def _render_prefix(prefix: dict) -> list[str]:
+    if not prefix:
+        return []
+    on, off = prefix["ttft_median_s"]["on"], prefix["ttft_median_s"]["off"]
+    lines = ["", f"## prefix caching (32 streaming chat clients at once, a {prefix['system_prompt_tokens']}-token "
+             "shared system prompt, greedy, 32 new tokens, 1 thread)", "",
+             "| prefix caching | median time to first token (ms), median over rounds (min-max) |", "|---|---|",
+             f"| on | {_stat([1000 * v for v in on])} |", f"| off | {_stat([1000 * v for v in off])} |"]  # fmt: skip
+    ratio = statistics.median(off) / statistics.median(on)
+    lines.append(
+        f"\nmedian time to first token, off / on: {ratio:.2f}x; same answers: {prefix['same_answers']}"
+    )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--parts", nargs="+", default=["generate", "tp", "server"])
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite the .md from the .json, run nothing"
+    )
     parser.add_argument("--port", type=int, default=28571)
     parser.add_argument("--tp-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--system", default="shardspeed", help=argparse.SUPPRESS)
@@ -328,12 +422,16 @@ def main() -> None:
     out = Path(args.out)
     previous = out / "inference.json"
     result = json.loads(previous.read_text()) if previous.exists() else {}  # parts run from two venvs merge
+    if args.render_only:
+        (out / "inference.md").write_text(render(result))
+        return
     result["note"] = (
         "Shared 2-core CPU machine, loaded by other jobs: wall-clock figures are noisy (each part says the "
         "load average when it started). Medians over interleaved rounds, (min-max) in brackets."
     )
     parts = {"generate": lambda: bench_generate(args.rounds, with_ds), "tp": lambda: bench_tp(args.rounds, with_ds),
-             "server": lambda: bench_server(args.rounds, args.port)}  # fmt: skip
+             "server": lambda: bench_server(args.rounds, args.port),
+             "prefix": lambda: bench_prefix(args.rounds, args.port)}  # fmt: skip
     for part in args.parts:
         load = os.getloadavg()[0]
         result[part] = parts[part]()

@@ -1,11 +1,16 @@
 """Train a tiny Llama on the standard library's source bytes, then save it for `shardspeed-serve`.
 
     pip install -e ".[serve]"
-    shardspeed --num_gpus 2 examples/train_to_serve.py --deepspeed_config examples/configs/gpt_small.json \
+    shardspeed --num_gpus 2 examples/train_to_serve.py --deepspeed_config examples/configs/tiny_llama_serve.json \
         --save_hf runs/tiny-llama
     shardspeed-serve runs/tiny-llama --port 28080 &
     curl -s localhost:28080/v1/completions -H 'Content-Type: application/json' \
-        -d '{"prompt": "def ", "max_tokens": 48}'
+        -d '{"prompt": "def ", "max_tokens": 64, "temperature": 0.5, "top_p": 0.9}'
+
+What to expect: 1000 steps (a few minutes on two CPU cores) bring the loss to ~1.2 and the model writes
+Python-looking text: ``__init__(self):\n        return self._set_self._context.replace(...``, names
+and indentation right, meaning absent. Greedy decoding (temperature 0) of a model this small repeats
+itself; a temperature around 0.5 with top_p reads better. 200 steps (loss ~2.5) give only fragments.
 
 The same training loop as train_gpt.py (its corpus and windows), on a Hugging Face `LlamaForCausalLM` built
 from a config (nothing downloaded), trained through the `deepspeed` API. Rank 0 then writes the model in
@@ -40,7 +45,9 @@ def tiny_llama(dim: int, layers: int, seq: int) -> LlamaForCausalLM:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--steps", type=int, default=1000, help="keep equal to the scheduler's total_num_steps"
+    )
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)

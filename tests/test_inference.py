@@ -255,3 +255,174 @@ def test_tensor_parallel_with_injection_policy():
         assert result["generate_ok"], rank
         assert 0.45 < result["fraction"] < 0.55, result
     assert results[0]["loop_ok"]
+
+
+def _collect(batcher, requests):
+    for request in requests:
+        batcher.submit(request)
+    while batcher.step():
+        pass
+    return [r.generated for r in requests]
+
+
+def test_prefix_caching_shares_blocks_and_changes_no_token():
+    model = TinyLlama()
+    engine = shardspeed.init_inference(model, dtype=torch.float32, max_out_tokens=48)
+    system = [3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12, 14, 1]  # a shared "system prompt" of 3.5 blocks
+    prompts = [system + [i, i + 1] for i in range(1, 6)] + [
+        system[:8],
+        system + list(range(1, 10)),
+        system[:4],
+    ]
+    answers, batchers = {}, {}
+    for caching in (False, True):
+        batcher = ContinuousBatcher(
+            engine.decoder, max_len=48, max_batch=3, block_size=4, prefix_caching=caching
+        )
+        requests = [
+            BatchRequest(p, GenerationSettings(max_new_tokens=6), emit=lambda t, r: None) for p in prompts
+        ]
+        answers[caching], batchers[caching] = _collect(batcher, requests), batcher
+        assert batcher.cache.free_blocks == batcher.cache.num_blocks  # every block back (cached ones count)
+        if caching:
+            # the first computes the system prompt; the rest reuse its full blocks (never their last token)
+            assert [r.cached_tokens for r in requests] == [0, 12, 12, 12, 12, 4, 16, 0]
+    assert answers[True] == answers[False] == [greedy_reference(model, p, 6) for p in prompts]
+    assert batchers[True].prompt_tokens_computed < batchers[False].prompt_tokens_computed
+    # a small pool: cached blocks nobody uses are evicted (oldest first) when fresh blocks are needed
+    small = ContinuousBatcher(
+        engine.decoder, max_len=48, max_batch=1, block_size=4, num_blocks=12, prefix_caching=True
+    )
+    first = _collect(
+        small, [BatchRequest(prompts[0], GenerationSettings(max_new_tokens=6), emit=lambda t, r: None)]
+    )
+    other = [list(range(20, 40))]
+    assert _collect(
+        small, [BatchRequest(other[0], GenerationSettings(max_new_tokens=20), emit=lambda t, r: None)]
+    ) == [greedy_reference(model, other[0], 20)]
+    again = BatchRequest(prompts[0], GenerationSettings(max_new_tokens=6), emit=lambda t, r: None)
+    assert _collect(small, [again]) == first and again.cached_tokens < 12  # its prefix was partly evicted
+    assert small.cache.free_blocks == 12
+
+
+def test_server_sampling_fields():
+    from shardspeed.inference.sampling import choose
+
+    model = TinyLlama()
+    engine = shardspeed.init_inference(model, dtype=torch.float32, max_out_tokens=32)
+    batcher = ContinuousBatcher(engine.decoder, max_len=32, max_batch=4, block_size=4)
+    greedy = greedy_reference(model, PROMPTS[1], 8)
+
+    def run(**fields):
+        request = BatchRequest(
+            PROMPTS[1], GenerationSettings(max_new_tokens=8, **fields), emit=lambda t, r: None
+        )
+        _collect(batcher, [request])
+        return request
+
+    # logit_bias forces a token; a big negative bias forbids the greedy one
+    assert run(logit_bias={42: 100.0}).generated == [42] * 8
+    assert greedy[0] not in run(logit_bias={greedy[0]: -100.0}).generated[:1]
+    # presence/frequency penalties and repetition_penalty change what repeats (a token at most once here)
+    banned = run(frequency_penalty=2.0, presence_penalty=2.0, logit_bias={7: 5.0}).generated
+    assert banned[0] == 7 and banned.count(7) < 8
+    # min tokens: the stop token is masked until then; ignore_eos: it does not stop
+    stop = greedy[1]
+    assert run(eos_token_ids=[stop]).finish_reason == "stop"
+    assert len(run(eos_token_ids=[stop], min_new_tokens=5).generated) >= 5
+    assert run(eos_token_ids=[stop], ignore_eos=True).generated == greedy
+    # logprobs: the chosen token's log-probability under the model, the top alternatives, greedy = best
+    request = run(logprobs=3)
+    assert request.generated == greedy and len(request.token_logprobs) == 8
+    for choice in request.token_logprobs:
+        assert choice.top[0] == (choice.token, choice.logprob) and len(choice.top) == 3
+    with torch.no_grad():
+        all_logprobs = torch.log_softmax(model(torch.tensor([PROMPTS[1]])).logits[0], -1)
+    reference = all_logprobs[-1]
+    assert abs(request.token_logprobs[0].logprob - float(reference[greedy[0]])) < 1e-5
+    echoed = run(logprobs=0, prompt_logprobs=True)
+    expected = [float(all_logprobs[t, PROMPTS[1][t + 1]]) for t in range(len(PROMPTS[1]) - 1)]
+    assert [c.logprob for c in echoed.prompt_choices] == pytest.approx(expected, abs=1e-5)
+    # what validation lets through must not break sampling: a tiny temperature is greedy, extreme values finite
+    assert run(do_sample=True, temperature=1e-300).generated == greedy
+    extreme = GenerationSettings(
+        do_sample=True, temperature=1e-5, top_p=5e-324, repetition_penalty=5e-324, top_k=1
+    )
+    assert (
+        0 <= choose(torch.randn(64) * 1e30, extreme, [1, 2], [3], torch.Generator().manual_seed(0)).token < 64
+    )
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        GenerationSettings(repetition_penalty=0.0).check()
+
+
+def test_a_failing_request_ends_alone():
+    model = TinyLlama()
+    engine = shardspeed.init_inference(model, dtype=torch.float32, max_out_tokens=32)
+    batcher = ContinuousBatcher(engine.decoder, max_len=32, max_batch=4, block_size=4)
+    forward = batcher._forward_decode
+
+    def faulty(batch):  # the decode step fails whenever the poisoned request is in it, alone or not
+        if any(r.seed == 99 and len(r.generated) >= 2 for r in batch):
+            raise RuntimeError("injected decode fault")
+        return forward(batch)
+
+    batcher._forward_decode = faulty
+    events = {}
+    requests = [
+        BatchRequest(p, GenerationSettings(max_new_tokens=6), emit=lambda t, r, i=i: events.setdefault(i, []).append(r), seed=s)
+        for i, (p, s) in enumerate([(PROMPTS[0], None), (PROMPTS[1], 99), (PROMPTS[3], None)])
+    ]  # fmt: skip
+    # and one whose sampling fails (a bias that excludes every token)
+    bad_sampling = BatchRequest(
+        PROMPTS[2], GenerationSettings(max_new_tokens=6, logit_bias={}), emit=lambda t, r: None
+    )
+    bad_sampling.settings.logit_bias = {t: float("-inf") for t in range(64)}
+    _collect(batcher, [*requests, bad_sampling])
+    assert requests[1].finish_reason == "error" and "injected decode fault" in requests[1].error
+    assert (
+        events[1][-1] == "error"
+        and bad_sampling.finish_reason == "error"
+        and "excluded" in bad_sampling.error
+    )
+    for i in (0, 2):
+        assert requests[i].generated == greedy_reference(model, requests[i].prompt_ids, 6)
+    assert batcher.failed_count == 2 and batcher.cache.free_blocks == batcher.cache.num_blocks
+
+
+def test_text_stream_holds_back_stop_strings_and_partial_characters():
+    from shardspeed.mii.text import TextStream
+
+    class Bytes:  # a byte-level tokenizer: token id = byte value
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    def stream(text: str, stops):
+        out = TextStream(Bytes(), stops)
+        pieces = [out.add(b) for b in text.encode()]
+        return pieces, out
+
+    pieces, out = stream("héllo\n\nworld", ["\n\n"])
+    assert "".join(pieces) == "héllo" and out.stopped and "\ufffd" not in "".join(pieces)
+    assert pieces[1] == "" and pieces[2] == "é"  # the two bytes of é go out together
+    assert pieces[6] == ""  # "\n" might start the stop string: held back
+    pieces, out = stream("a\nb", ["\n\n"])
+    assert "".join(pieces) == "a\nb" and not out.stopped  # released once it cannot be the stop string
+    pieces, out = stream("abc", ["c", "xyz"])
+    assert "".join(pieces) + out.finish() == "ab" and out.stopped
+    pieces, out = stream("abx", ["xyz"])
+    assert "".join(pieces) == "ab" and out.finish() == "x"  # held back, then released at the end
+
+
+def test_serve_command_help_and_missing_extra():
+    """`shardspeed-serve --help` needs no extra; without one, the command names the missing package."""
+    import subprocess
+    import sys
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "shardspeed.mii.server", "--help"], capture_output=True, text=True
+    )
+    assert shown.returncode == 0 and "--api-key" in shown.stdout and "--no-prefix-caching" in shown.stdout
+    hidden = "import sys; sys.modules['fastapi'] = None; from shardspeed.mii.server import main; sys.exit(main(['x']))"
+    missing = subprocess.run([sys.executable, "-c", hidden], capture_output=True, text=True)
+    assert missing.returncode == 2 and "fastapi" in missing.stderr and "shardspeed[serve]" in missing.stderr

@@ -6,7 +6,12 @@
   directly, with our own caches (kv_cache.py) and ``scaled_dot_product_attention``. It calls the model's own
   modules, so a tensor-parallel split of those linears (module_inject) applies unchanged: head counts are
   read from the local weights. What it skips is the per-step work of the model's generic forward (mask
-  building, cache objects, output dataclasses), which dominates at small sizes.
+  building, cache objects, output dataclasses), which dominates at small sizes. More per-token savings,
+  each checked once against the model's own function to give the same numbers bit for bit (else the
+  model's function is used): rotary cos/sin are looked up in a table built once (for position-independent
+  RoPE types); RoPE is applied to q and k together, straight on the fused q/k/v output, as
+  ``x * cos + roll(x, d/2) * sin'`` (``sin'`` = sin with its first half negated: ``rotate_half`` without
+  a ``cat``); RMSNorm's normalisation is one fused ``F.rms_norm``.
 * ``ModelDecoder`` calls the model's own forward with its own cache (``past_key_values``): any Hugging Face
   causal LM (GPT-2, OPT, ...) and correctness first.
 
@@ -25,6 +30,42 @@ from .fusion import fuse_linears
 from .kv_cache import StaticKVCache
 
 __all__ = ["FastDecoder", "ModelDecoder", "make_decoder"]
+
+# RoPE variants whose cos/sin depend on the position only (not on the sequence length seen so far).
+_STATIC_ROPE = {"default", "linear", "llama3"}
+
+
+def _direct(module):
+    """A plain ``nn.Linear`` or SiLU as a direct functional call (no module dispatch per token), else the module.
+
+    The weight is read at each call, so weights replaced later (``.to(dtype)``, a new state dict) are used.
+    """
+    if type(module) is torch.nn.Linear:
+        return lambda x: F.linear(x, module.weight, module.bias)
+    if type(module) is torch.nn.SiLU or type(module).__name__ == "SiLUActivation":
+        return F.silu
+    return module
+
+
+def _signed(sin):
+    """sin with the first half of its last dimension negated (``rotate_half``'s sign, folded in)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rms_norm(module):
+    """A fused equivalent of a Hugging Face RMSNorm module (normalise in fp32, cast, scale), else the module."""
+    eps, weight = getattr(module, "variance_epsilon", None), getattr(module, "weight", None)
+    if not type(module).__name__.endswith("RMSNorm") or eps is None or weight is None:
+        return module
+
+    def norm(x):
+        return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+    # Only where it gives the module's own numbers, bit for bit (a model's RMSNorm may differ: 1 + weight, ...)
+    with torch.no_grad():
+        probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+        return norm if torch.equal(norm(probe), module(probe)) else module
 
 
 def _attention(q, k, v, mask, scale):
@@ -87,6 +128,15 @@ class FastDecoder:
         ]
         self.cache: StaticKVCache | None = None
         self._positions: torch.Tensor | None = None
+        self.input_norms = [_rms_norm(layer.input_layernorm) for layer in self.layers]
+        self.post_norms = [_rms_norm(layer.post_attention_layernorm) for layer in self.layers]
+        self.final_norm = _rms_norm(self.norm)
+        self.o_proj = [_direct(layer.self_attn.o_proj) for layer in self.layers]
+        self.down_proj = [_direct(getattr(layer.mlp, "down_proj", None)) for layer in self.layers]
+        self.act_fn = [_direct(getattr(layer.mlp, "act_fn", None)) for layer in self.layers]
+        self.head = _direct(self.lm_head)
+        self._rope_table: tuple | None = None  # (dtype, device, cos, sin, signed sin), each [max_len, dim]
+        self.joint_rope = all(f is not None for f in self.qkv) and self._joint_rope_matches()
 
     @property
     def dtype(self):
@@ -99,36 +149,81 @@ class FastDecoder:
     def cache_spec(self) -> dict:
         return dict(num_layers=len(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim)
 
+    def _cos_sin(self, hidden, positions, max_len: int):
+        """Rotary (cos, sin, signed sin) at ``positions``; from a table when they depend on the position only."""
+        if getattr(self.rotary, "rope_type", None) not in _STATIC_ROPE:
+            cos, sin = self.rotary(hidden, positions)
+            return cos, sin, _signed(sin)
+        table = self._rope_table
+        if table is None or table[:2] != (hidden.dtype, hidden.device) or table[2].shape[0] < max_len:
+            cos, sin = self.rotary(hidden, torch.arange(max_len, device=hidden.device)[None])
+            table = self._rope_table = (hidden.dtype, hidden.device, cos[0], sin[0], _signed(sin[0]))
+        return table[2][positions], table[3][positions], table[4][positions]
+
+    @staticmethod
+    def _rope(x, cos, signed_sin):
+        """``x * cos + rotate_half(x) * sin`` for x [B, T, heads, D], without rotate_half's cat."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+    @torch.no_grad()
+    def _joint_rope_matches(self) -> bool:
+        """Whether ``_rope`` gives the model's own ``apply_rotary_pos_emb`` numbers, bit for bit."""
+        weight = self.embed.weight
+        if weight.device.type == "meta":
+            return False
+        g = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(1, 2, 3, self.head_dim, generator=g).to(weight) for _ in range(2))  # [B, H, T, D]
+        hidden = torch.zeros(1, 3, 1, dtype=weight.dtype, device=weight.device)
+        cos, sin = self.rotary(hidden, torch.arange(3, device=weight.device)[None] + 5)
+        want_q, want_k = self.apply_rope(q, k, cos, sin)
+        cos4, sin4 = cos[:, :, None], _signed(sin)[:, :, None]
+        got_q = self._rope(q.transpose(1, 2), cos4, sin4).transpose(1, 2)
+        got_k = self._rope(k.transpose(1, 2), cos4, sin4).transpose(1, 2)
+        return torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+    def _attention_inputs(self, index: int, layer, x, rope):
+        """q, k, v [B, heads, T, D] for layer ``index``, RoPE applied."""
+        batch, steps = x.shape[:2]
+        cos, sin, signed_sin = rope
+        if self.joint_rope:
+            fused = self.qkv[index]
+            q_heads, k_heads = fused.sizes[0] // self.head_dim, fused.sizes[1] // self.head_dim
+            qkv = fused.joint(x).view(batch, steps, -1, self.head_dim)  # [B, T, q + k + v heads, D]
+            qk = self._rope(qkv[:, :, : q_heads + k_heads], cos[:, :, None], signed_sin[:, :, None])
+            v = qkv[:, :, q_heads + k_heads :]
+            return qk[:, :, :q_heads].transpose(1, 2), qk[:, :, q_heads:].transpose(1, 2), v.transpose(1, 2)
+        attn = layer.self_attn
+        if self.qkv[index] is not None:
+            q, k, v = self.qkv[index](x)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.view(batch, steps, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, steps, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, steps, -1, self.head_dim).transpose(1, 2)
+        q, k = self.apply_rope(q, k, cos, sin)
+        return q, k, v
+
     def forward(self, input_ids, positions, cache, last_only: bool = True):
         """Logits for ``input_ids`` [B, T] at ``positions`` [B, T], keys/values going through ``cache``."""
         hidden = self.embed(input_ids)
-        cos, sin = self.rotary(hidden, positions)
+        rope = self._cos_sin(hidden, positions, cache.max_len)
         batch, steps = input_ids.shape
         for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            if self.qkv[index] is not None:
-                q, k, v = self.qkv[index](x)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            q = q.view(batch, steps, -1, self.head_dim).transpose(1, 2)
-            k = k.view(batch, steps, -1, self.head_dim).transpose(1, 2)
-            v = v.view(batch, steps, -1, self.head_dim).transpose(1, 2)
-            q, k = self.apply_rope(q, k, cos, sin)
+            q, k, v = self._attention_inputs(index, layer, self.input_norms[index](hidden), rope)
             k_all, v_all, mask = cache.update(index, k, v)
             out = _attention(q, k_all, v_all, mask, self.scale)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
-            hidden = hidden + self._mlp(index, layer, layer.post_attention_layernorm(hidden))
+            hidden = hidden + self.o_proj[index](out.transpose(1, 2).reshape(batch, steps, -1))
+            hidden = hidden + self._mlp(index, layer, self.post_norms[index](hidden))
         if last_only:
             hidden = hidden[:, -1:]
-        return self.lm_head(self.norm(hidden))
+        return self.head(self.final_norm(hidden))
 
     def _mlp(self, index: int, layer, x):
         fused = self.gate_up[index]
         if fused is None:
             return layer.mlp(x)
         gate, up = fused(x)
-        return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return self.down_proj[index](self.act_fn[index](gate) * up)
 
     # ---- generate's protocol (a fixed batch over a StaticKVCache) ------------------------------------
     def prefill(self, input_ids, attention_mask, max_len: int):

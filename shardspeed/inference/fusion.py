@@ -25,13 +25,17 @@ class FusedLinear:
         self.modules, self.weight, self.bias, self.sizes = modules, weight, bias, sizes
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.joint(x).split(self.sizes, dim=-1)
+
+    def joint(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side on the last dimension, unsplit."""
         if self.modules[0].weight.data_ptr() != self.weight.data_ptr():
             # The model's weights were replaced after fusing (``.to(dtype)``, a new state dict): fuse again.
             fresh = fuse_linears(self.modules)
             if fresh is None:
-                return tuple(module(x) for module in self.modules)
+                return torch.cat([module(x) for module in self.modules], dim=-1)
             self.weight, self.bias = fresh.weight, fresh.bias
-        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 def _fusable(modules) -> bool:

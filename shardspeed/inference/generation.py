@@ -4,7 +4,8 @@
 ``generation_config`` defaults (as Hugging Face does); ``generate_tokens`` runs prefill, then one decode step
 per token, and returns what HF's ``generate`` returns for a decoder-only model: ``[batch, prompt + new]``
 token ids, rows that stopped early padded with ``pad_token_id``. ``next_tokens`` (greedy / temperature,
-top-k, top-p sampling) is shared with the server's scheduler.
+top-k, top-p sampling) is the batch sampler of ``generate``; the server's per-request sampler, with its
+penalties, biases and log-probabilities, is sampling.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,29 @@ class GenerationSettings:
     top_p: float = 1.0
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
+    # The server's per-request fields (OpenAI's and vLLM's; sampling.py applies them). ``generate`` never
+    # sets them: its own arguments of the same meaning go to the model's generate (see ``unhandled``).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k most likely
+    prompt_logprobs: bool = False  # also for every prompt token (OpenAI's echo with logprobs)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to adjust or report: the batcher takes the batch's argmax for this row."""
+        return (
+            not self.do_sample
+            and self.logprobs is None
+            and not self.logit_bias
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+            and self.repetition_penalty == 1
+            and self.min_new_tokens == 0
+        )
 
     HANDLED = frozenset(
         {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
@@ -91,6 +115,8 @@ class GenerationSettings:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
 
 
 def next_tokens(logits: torch.Tensor, settings: GenerationSettings, generator=None) -> torch.Tensor:
@@ -106,6 +132,7 @@ def next_tokens(logits: torch.Tensor, settings: GenerationSettings, generator=No
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         # Drop a token once the mass before it already reaches top_p (the best token always stays).
         drop_sorted = (cumulative - sorted_scores.softmax(-1)) >= settings.top_p
+        drop_sorted[..., 0] = False  # even when top_p rounds to 0 in the scores' dtype
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(-1)
@@ -122,6 +149,7 @@ def generate_tokens(decoder, input_ids, attention_mask, settings: GenerationSett
             f"max_out_tokens ({max_len}) of the inference config"
         )
     eos = torch.tensor(settings.eos_token_ids, dtype=input_ids.dtype, device=input_ids.device)
+    has_eos = bool(settings.eos_token_ids)
     generated = torch.empty(batch, settings.max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     try:
@@ -129,11 +157,11 @@ def generate_tokens(decoder, input_ids, attention_mask, settings: GenerationSett
         steps = 0
         for step in range(settings.max_new_tokens):
             tokens = next_tokens(logits, settings)
-            if settings.pad_token_id is not None:
+            if has_eos and settings.pad_token_id is not None:  # without stop tokens no row ever finishes
                 tokens = tokens.masked_fill(finished, settings.pad_token_id)
             generated[:, step] = tokens
             steps = step + 1
-            if len(eos):
+            if has_eos:  # a Python bool: len() of a tensor costs a dispatch per token
                 finished |= torch.isin(tokens, eos)
                 if bool(finished.all()):  # one host sync per token, as HF's stopping criteria
                     break

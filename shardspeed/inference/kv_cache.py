@@ -9,18 +9,17 @@ key and value the queries may see, and the mask". The decoder (decoder.py) does 
   itself, with no Python work that grows with the sequence.
 * ``PagedKVCache``: a pool of fixed-size blocks shared by many sequences (the server's continuous batching):
   a sequence owns a list of blocks, grows one block at a time and hands its blocks back the moment it ends,
-  so requests of different lengths share memory without reserving ``max_len`` each.
+  so requests of different lengths share memory without reserving ``max_len`` each. With prefix caching
+  (block_pool.py) sequences whose prompts start alike share the blocks of that common start.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .block_pool import BlockPool, CacheFull, prefix_keys
+
 __all__ = ["CacheFull", "PagedKVCache", "PagedSequence", "StaticKVCache"]
-
-
-class CacheFull(RuntimeError):
-    """The cache has no room for the tokens a step wants to write."""
 
 
 class StaticKVCache:
@@ -78,17 +77,19 @@ class PagedSequence:
         self.block_table = torch.zeros(max_blocks, dtype=torch.long, device=device)
         self.blocks: list[int] = []
         self.length = 0
+        self.cached_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
 
 
 class PagedKVCache:
     """A pool of ``num_blocks`` blocks of ``block_size`` tokens per layer, shared by many sequences.
 
-    A step is either the prefill of one new sequence (its whole prompt) or one decode token for each of a
-    batch of sequences of different lengths. Reads gather each sequence's blocks into a padded view with a
-    mask of its valid positions.
+    A step is either the prefill of one new sequence (its prompt, or the part of it past a cached prefix)
+    or one decode token for each of a batch of sequences of different lengths. Reads gather each
+    sequence's blocks into a padded view with a mask of its valid positions.
     """
 
-    def __init__(self, *, num_layers, kv_heads, head_dim, num_blocks, block_size, max_len, dtype, device):
+    def __init__(self, *, num_layers, kv_heads, head_dim, num_blocks, block_size, max_len, dtype, device,
+                 prefix_caching: bool = False):  # fmt: skip
         shape = (num_blocks, kv_heads, block_size, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -97,22 +98,54 @@ class PagedKVCache:
         self.max_len = max_len
         self.max_blocks = -(-max_len // block_size)
         self.device = device
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self.pool = BlockPool(num_blocks, caching=prefix_caching)
         self._plan: tuple | None = None
 
     # ---- ownership --------------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a new sequence can claim (cached blocks nobody uses count: they are evicted on demand)."""
+        return self.pool.available
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.caching
 
     def new_sequence(self) -> PagedSequence:
         return PagedSequence(self.max_blocks, self.device)
 
     def release(self, seq: PagedSequence) -> None:
         """Give a finished (or abandoned) sequence's blocks back to the pool."""
-        self._free.extend(reversed(seq.blocks))
+        for block in reversed(seq.blocks):
+            self.pool.release(block)
         seq.blocks.clear()
         seq.length = 0
+
+    def prompt_keys(self, prompt_ids: list[int]) -> list[bytes]:
+        """Keys of the prompt's full blocks (empty when prefix caching is off)."""
+        return prefix_keys(prompt_ids, self.block_size) if self.prefix_caching else []
+
+    def reusable(self, prompt_ids: list[int], keys: list[bytes]) -> tuple[list[int], int]:
+        """Cached blocks this prompt can share, and how many of them are evictable now.
+
+        At most ``len(prompt) - 1`` tokens: the last prompt token is always computed, for its logits.
+        """
+        return self.pool.lookup(keys[: (len(prompt_ids) - 1) // self.block_size])
+
+    def share_prefix(self, seq: PagedSequence, blocks: list[int]) -> None:
+        """Start a new sequence on cached ``blocks`` (from ``reusable``): its prompt prefill starts after them."""
+        if seq.length or seq.blocks:
+            raise ValueError("a cached prefix starts a new sequence (length 0)")
+        for block in blocks:
+            self.pool.share(block)
+            seq.block_table[len(seq.blocks)] = block
+            seq.blocks.append(block)
+        seq.length = seq.cached_tokens = len(blocks) * self.block_size
+
+    def register_prompt(self, seq: PagedSequence, keys: list[bytes]) -> None:
+        """After its prefill: the sequence's full prompt blocks become shareable."""
+        for block, key in zip(seq.blocks, keys):
+            self.pool.register(block, key)
 
     def blocks_needed(self, seq: PagedSequence, num_tokens: int) -> int:
         return max(0, -(-(seq.length + num_tokens) // self.block_size) - len(seq.blocks))
@@ -121,22 +154,27 @@ class PagedKVCache:
         if seq.length + num_tokens > self.max_len:
             raise CacheFull(f"sequence would reach {seq.length + num_tokens} tokens, limit {self.max_len}")
         needed = self.blocks_needed(seq, num_tokens)
-        if needed > len(self._free):
-            raise CacheFull(f"KV cache pool exhausted: {needed} blocks needed, {len(self._free)} free")
+        if needed > self.pool.available:
+            raise CacheFull(f"KV cache pool exhausted: {needed} blocks needed, {self.pool.available} free")
         for _ in range(needed):
-            block = self._free.pop()
+            block = self.pool.allocate()
             seq.block_table[len(seq.blocks)] = block
             seq.blocks.append(block)
 
     # ---- steps ------------------------------------------------------------------------------------
     def begin_prefill(self, seq: PagedSequence, num_tokens: int) -> None:
-        """A new sequence's prompt: it attends to itself only (causal), and is written into its blocks."""
-        if seq.length:
-            raise ValueError("prefill is for a new sequence (length 0)")
+        """A sequence's prompt (past any cached prefix): causal over itself and the prefix, written to blocks."""
+        start = seq.length
         self._reserve(seq, num_tokens)
-        positions = torch.arange(num_tokens, device=self.device)
+        positions = torch.arange(start, start + num_tokens, device=self.device)
         slots = seq.block_table[positions // self.block_size]
-        self._plan = ("prefill", [seq], slots, positions % self.block_size, num_tokens)
+        prefix = None
+        if start:  # queries see the cached prefix too: an explicit causal mask, offset by the prefix
+            used = -(-(start + num_tokens) // self.block_size)
+            keys = torch.arange(start + num_tokens, device=self.device)
+            mask = keys[None, :] <= positions[:, None]
+            prefix = (seq.block_table[:used], start + num_tokens, mask[None, None])
+        self._plan = ("prefill", [seq], slots, positions % self.block_size, (num_tokens, prefix))
 
     def begin_decode(self, seqs: list[PagedSequence]) -> None:
         """One new token for each sequence in ``seqs`` (of any lengths)."""
@@ -152,6 +190,12 @@ class PagedKVCache:
         valid = torch.arange(used * self.block_size, device=self.device)[None, :] <= lengths[:, None]
         self._plan = ("decode", seqs, slots, lengths % self.block_size, (tables, valid[:, None, None, :]))
 
+    def _gather(self, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """[B, used] block ids -> [B, H, used * block_size, D] keys or values, in position order."""
+        batch, used = tables.shape
+        gathered = pool[tables]  # [B, used, H, bs, D]
+        return gathered.permute(0, 2, 1, 3, 4).reshape(batch, pool.shape[1], used * self.block_size, -1)
+
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         kind, _, slots, offsets, extra = self._plan
         pool_k, pool_v = self.keys[layer], self.values[layer]
@@ -159,22 +203,27 @@ class PagedKVCache:
             # keys: [1, H, T, D] -> pool[slot_t, :, offset_t] for every t
             pool_k[slots, :, offsets] = keys[0].transpose(0, 1)
             pool_v[slots, :, offsets] = values[0].transpose(0, 1)
-            return keys, values, "causal"
+            prefix = extra[1]
+            if prefix is None:
+                return keys, values, "causal"
+            table, end, mask = prefix
+            k_all = self._gather(pool_k, table[None])[:, :, :end]
+            v_all = self._gather(pool_v, table[None])[:, :, :end]
+            return k_all, v_all, mask
         pool_k[slots, :, offsets] = keys[:, :, 0]
         pool_v[slots, :, offsets] = values[:, :, 0]
         tables, mask = extra
-        batch, used = tables.shape
-        heads, dim = keys.shape[1], keys.shape[3]
-        # [B, used, H, bs, D] -> [B, H, used*bs, D]
-        k_all = pool_k[tables].permute(0, 2, 1, 3, 4).reshape(batch, heads, used * self.block_size, dim)
-        v_all = pool_v[tables].permute(0, 2, 1, 3, 4).reshape(batch, heads, used * self.block_size, dim)
-        return k_all, v_all, mask
+        return self._gather(pool_k, tables), self._gather(pool_v, tables), mask
 
     def end_step(self) -> None:
         kind, seqs, _, _, extra = self._plan
         if kind == "prefill":
-            seqs[0].length += extra
+            seqs[0].length += extra[0]
         else:
             for seq in seqs:
                 seq.length += 1
+        self._plan = None
+
+    def abort_step(self) -> None:
+        """Forget a step whose forward failed: lengths stay; blocks it reserved stay with their sequences."""
         self._plan = None

@@ -4,9 +4,11 @@
     responses = pipe(["Hello", "Once upon a time"], max_new_tokens=32)
     client = shardspeed.mii.serve("path/to/hf_model_dir", port=28080)   # needs the `serve` extra
 
-Modules: ``pipeline`` (model loading, Response, Pipeline), ``server`` (the FastAPI app, the generation
-thread, the ``shardspeed-serve`` command), ``client`` (``serve`` and the client it returns). Loading a model
-directory needs the ``hf`` extra (transformers, for the config and tokenizer); the server needs ``serve``.
+Modules: ``pipeline`` (model loading, Response, Pipeline), ``server`` (the ``shardspeed-serve`` command and
+its lifecycle), ``app`` (the FastAPI routes), ``protocol`` (typed request bodies), ``service`` (requests to
+generations), ``responses``, ``errors``, ``guard``, ``metrics``, ``chat``, ``text``, ``engine_loop`` (the
+generation thread), ``client`` (``serve`` and the client it returns). Loading a model directory needs the
+``hf`` extra (transformers, for the config and tokenizer); the server needs ``serve``.
 """
 
 from __future__ import annotations

@@ -31,9 +31,12 @@ class MIIClient:
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.loads(response.read())
 
-    def generate(self, prompts, max_new_tokens: int = 128, **kwargs) -> list[dict]:
+    def generate(self, prompts, max_new_tokens: int | None = None, **kwargs) -> list[dict]:
+        """MII's generate: ``max_new_tokens`` (default 128) or ``max_length`` (prompt + new), sampling fields."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        body = {"prompts": prompts, "max_new_tokens": max_new_tokens, **kwargs}
+        body = {"prompts": prompts, **kwargs}
+        if max_new_tokens is not None or "max_length" not in kwargs:
+            body["max_new_tokens"] = 128 if max_new_tokens is None else max_new_tokens
         return self._post(f"/mii/{self.deployment_name}", body)
 
     def terminate_server(self) -> None:

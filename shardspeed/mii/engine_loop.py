@@ -7,6 +7,11 @@ commands over the tensor group, the other ranks (``follow``) apply them and step
 identical on every rank (the row-parallel all-reduce gives every rank the same logits) and sampled ones too
 (each request's generator is seeded the same on every rank). While idle, rank 0 still broadcasts an empty
 round every ``idle_s`` seconds, so the other ranks never sit in a collective long enough to time out.
+
+A request that fails ends alone (the batcher sees to that). If the loop itself dies, every pending request
+is answered with an error, ``error`` is set (``/health`` reports it) and ``on_failure`` is called: the
+server then exits non-zero, for a supervisor to restart it, instead of answering 500 forever. ``stop``
+ends every pending request ("the server is shutting down") and the thread within ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ logger = logging.getLogger(__name__)
 class EngineLoop:
     """Runs ``batcher`` on a thread (rank 0) or in the caller (``follow``, other tensor-parallel ranks)."""
 
-    def __init__(self, batcher: ContinuousBatcher, group=None, idle_s: float = 0.05):
+    def __init__(self, batcher: ContinuousBatcher, group=None, idle_s: float = 0.05, on_failure=None):
         self.batcher = batcher
         self.group = group if group is not None and dist.get_world_size(group) > 1 else None
         self.idle_s = idle_s
@@ -41,6 +46,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._by_id: dict[int, BatchRequest] = {}
         self.error: BaseException | None = None
+        self.on_failure = on_failure
+        self.stopping = False  # no new requests: set by ``stop``
 
     # ---- rank 0 -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -59,11 +66,15 @@ class EngineLoop:
             self._inbox.append(("cancel", request.id))
         self._wake.set()
 
-    def stop(self) -> None:
-        self._stop = True
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopping = self._stop = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                logger.warning(
+                    "generation loop: still in a step after %.0f s; leaving it (daemon thread)", timeout
+                )
 
     def _run(self) -> None:
         try:
@@ -79,6 +90,7 @@ class EngineLoop:
                         pickle.dumps(wire), src=dist.get_global_rank(self.group, 0), group=self.group
                     )
                 if stopping:
+                    self.batcher.abort_all("the server is shutting down")
                     return
                 self._apply(commands)
                 busy = self.batcher.step()
@@ -86,9 +98,18 @@ class EngineLoop:
                 if not busy and not commands:
                     self._wake.wait(self.idle_s)
                     self._wake.clear()
-        except BaseException as error:  # surfaced to the HTTP handlers as a 500
-            self.error = error
-            raise
+        except BaseException as error:
+            self._died(error)
+
+    def _died(self, error: BaseException) -> None:
+        self.error = error
+        logger.critical("generation loop died: %r", error, exc_info=error)
+        try:  # answer whoever waits; the batcher's state may be broken, so this is best effort
+            self.batcher.abort_all(f"the generation loop failed: {error!r}")
+        except Exception:
+            logger.exception("generation loop: could not end the pending requests")
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     @staticmethod
     def _wire(command):
@@ -104,7 +125,8 @@ class EngineLoop:
                     self.batcher.submit(value)
                     self._by_id[value.id] = value
                 except ValueError as error:
-                    value.emit(-1, f"error: {error}")
+                    value.finish_reason, value.error = "error", str(error)
+                    value.emit(-1, "error")
             elif kind == "cancel" and value in self._by_id:
                 self.batcher.cancel(self._by_id.pop(value))
 

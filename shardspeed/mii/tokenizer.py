@@ -8,7 +8,7 @@ inside the tokenizer and decode back to the original text.
 
 from __future__ import annotations
 
-__all__ = ["END_OF_TEXT", "byte_tokenizer"]
+__all__ = ["END_OF_TEXT", "byte_tokenizer", "byte_values"]
 
 END_OF_TEXT = 256
 
@@ -28,6 +28,11 @@ def _byte_alphabet() -> list[str]:
             chars[byte] = chr(256 + extra)
             extra += 1
     return [chars[b] for b in range(256)]
+
+
+def byte_values() -> dict[str, int]:
+    """Character of the byte alphabet -> byte value (GPT-2's alphabet: any byte-level BPE token reads back)."""
+    return {char: byte for byte, char in enumerate(_byte_alphabet())}
 
 
 def byte_tokenizer():

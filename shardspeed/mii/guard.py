@@ -1,0 +1,100 @@
+"""What every HTTP request passes through before a route sees it, and the log line it leaves behind.
+
+``Guard`` is a plain ASGI middleware (it sees streamed responses as they go):
+  * body size: a body over ``max_body_bytes`` is refused with 413 before it is read (by its Content-Length)
+    or as soon as it grows past the limit (chunked); the body is then handed on to the route as read;
+  * API key: with ``api_key`` set, routes under ``/v1`` and ``/mii`` need ``Authorization: Bearer <key>``
+    (401 otherwise); ``/health``, ``/metrics`` and the schema stay open for probes and scrapers;
+  * one structured log line (JSON, logger ``shardspeed.mii.access``) per request: method, path, status,
+    duration, and what the route left in ``request.state.log`` (token counts, finish reasons, ...); the
+    request counter by status in ``/metrics`` is counted here as well.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+
+from .errors import error_body
+
+__all__ = ["Guard"]
+
+access_log = logging.getLogger("shardspeed.mii.access")
+
+_OPEN = ("/health", "/metrics", "/openapi.json", "/docs", "/redoc")
+
+
+async def _send_error(send, status: int, message: str, param=None, code=None, headers=()) -> None:
+    body = json.dumps(error_body(status, message, param, code)).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    def __init__(self, app, *, max_body_bytes: int, api_key: str | None = None, metrics=None):
+        self.app, self.max_body_bytes, self.api_key, self.metrics = app, max_body_bytes, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        state = scope.setdefault("state", {})
+        state["log"] = {}
+        outcome = {"status": 500}
+
+        async def send_watched(message):
+            if message["type"] == "http.response.start":
+                outcome["status"] = message["status"]
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, send_watched)
+        finally:
+            self._record(scope, outcome["status"], time.perf_counter() - start, state["log"])
+
+    async def _guarded(self, scope, receive, send):
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and not scope["path"].startswith(_OPEN):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return await _send_error(
+                    send, 401, "authorization: a valid API key is needed (Authorization: Bearer <key>)",
+                    "authorization", "invalid_api_key", [(b"www-authenticate", b"Bearer")],
+                )  # fmt: skip
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            return await self._too_large(send)
+        body, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            body.append(message.get("body", b""))
+            size += len(body[-1])
+            if size > self.max_body_bytes:
+                return await self._too_large(send)
+            if not message.get("more_body"):
+                break
+        replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
+
+        async def receive_after_body():  # the body as read, then the client's later messages (disconnect)
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, receive_after_body, send)
+
+    async def _too_large(self, send) -> None:
+        await _send_error(send, 413, f"body: larger than the server's limit of {self.max_body_bytes} bytes "
+                                     f"(shardspeed-serve --max-body-bytes)", "body")  # fmt: skip
+
+    def _record(self, scope, status: int, seconds: float, details: dict) -> None:
+        path = scope["path"]
+        if self.metrics is not None:
+            self.metrics.request_done(path, status)
+        if path in ("/health", "/metrics"):
+            return  # probes and scrapes would drown the log
+        line = {"method": scope["method"], "path": path, "status": status, "ms": round(1000 * seconds, 1)}
+        line.update(details)
+        access_log.info(json.dumps(line))
