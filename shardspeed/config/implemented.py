@@ -54,6 +54,12 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_optimization.offload_optimizer.pipeline_read",
         "zero_optimization.offload_optimizer.pipeline_write",
         "zero_optimization.offload_param",
+        # ZeRO++ (zero/zeropp/): quantized weight gathers, hpZ secondary partitions, quantized gradients,
+        # int8 frozen weights. zeropp_loco_param is refused there (DeepSpeed removed LoCo).
+        "zero_optimization.zero_quantized_weights",
+        "zero_optimization.zero_hpz_partition_size",
+        "zero_optimization.zero_quantized_gradients",
+        "zero_optimization.zero_quantized_nontrainable_weights",
         "aio.block_size",
         "aio.queue_depth",
         "aio.intra_op_parallelism",

@@ -35,6 +35,7 @@ from shardspeed.zero.offload import OptimizerOffload
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
 from shardspeed.zero.swap import AioSettings
 from shardspeed.zero.swap.param_swapper import build_param_tier
+from shardspeed.zero.zeropp import build_zeropp
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -106,6 +107,10 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
         if model_parameters is None:
             model_parameters = list(self.module.parameters())
         client_optimizer = resolve_optimizer(optimizer, model_parameters, config)
+        self.zeropp = build_zeropp(  # ZeRO++ (stage 3): node groups, quantized gathers and reduction
+            config.zero_optimization, stage=self.zero_optimization_stage(), group=self.dp_group,
+            module=self.module, moe=self.moe is not None,
+        )  # fmt: skip
         self.optimizer = self._wrap_optimizer(client_optimizer) if client_optimizer is not None else None
         self.basic_optimizer = client_optimizer
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
@@ -215,6 +220,7 @@ class ShardspeedEngine(IntegrationMethods, nn.Module):
                     self.module,
                     self.dp_group,
                 ),
+                zeropp=self.zeropp,
                 **common,
                 **comm,
             )

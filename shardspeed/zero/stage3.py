@@ -152,7 +152,7 @@ class Stage3Coordinator:
         def pre_backward(grad):
             for unit in units:
                 if not unit.gathered or unit._work is not None:
-                    unit.gather()
+                    unit.gather(for_training=True)
                 if unit.group_index is not None:  # frozen units wait for end_of_backward instead
                     unit.awaiting_grads = True
             self._prefetch_after(units[0], step=-1)
@@ -196,7 +196,7 @@ class Stage3Coordinator:
         self._free_lingering(keep=unit)
         if not unit.gathered and not unit.persistent:
             self._make_room(unit.padded_numel)
-        unit.gather()
+        unit.gather(for_training=True)
         unit.refs += 1
         if id(unit) not in self._seen:
             self._seen.add(id(unit))
@@ -230,7 +230,7 @@ class Stage3Coordinator:
             if not upcoming.gathered:
                 if self.live.numel + upcoming.padded_numel > self.max_live_numel:
                     return
-                upcoming.gather(async_op=True)
+                upcoming.gather(async_op=True, for_training=True)
 
     # -- engine-facing -------------------------------------------------------------------------------------
 
@@ -301,12 +301,13 @@ class _GatheringParameters(dict):
 
 
 def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, persistence_threshold: int,
-                model_persistence_threshold: int, group, tier=None,
-                owned: set[int] | None = None) -> list[ParamUnit]:  # fmt: skip
+                model_persistence_threshold: int, group, tier=None, owned: set[int] | None = None,
+                weights=None) -> list[ParamUnit]:  # fmt: skip
     """One ParamUnit per (unit root, optimizer group); parameters outside every group form frozen units.
 
     A unit of at most `persistence_threshold` elements stays gathered, while the persistent units' total
     stays within `model_persistence_threshold` (DeepSpeed's `stage3_model_persistence_threshold`).
+    `weights`: ZeRO++'s gather paths (zeropp/weights.py), or None.
     """
     import torch.distributed as dist
 
@@ -329,5 +330,7 @@ def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, p
             )
             persistent_numel += numel if persistent else 0
             unit_names = [names[p] for p in members]
-            units.append(ParamUnit(root, members, unit_names, gi, world, rank, group, persistent, live, tier))
+            units.append(
+                ParamUnit(root, members, unit_names, gi, world, rank, group, persistent, live, tier, weights)
+            )
     return units
