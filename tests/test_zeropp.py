@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from shardspeed.comm.nodes import NodeLayout
 from shardspeed.runtime.memory import estimate
-from shardspeed.zero.zeropp.quantize import BlockFormat, dequantize, quantize
+from shardspeed.zero.zeropp.quantize import BlockLayout, dequantize, quantize
 
 from common import base_config, build_model, full_params, train_engine
 from harness import run_ranks
@@ -32,8 +33,10 @@ WORLD, NODES, LOCAL = 4, 2, 2
 UNIT = 64 * 64 + 64  # elements of one Linear(64, 64): a unit of its own
 UNITS, SHARD, WIDTH = 3, UNIT // WORLD, 2  # three units; bf16
 PLAIN_UNIT = WIDTH * UNIT  # bytes of one unit's 16-bit all-gather or reduce-scatter
-REC8 = BlockFormat.for_weights(SHARD).record_bytes
-REC4 = BlockFormat.for_gradients(SHARD).record_bytes
+# A quantized shard: 1,040 values, plus one fp32 scale per block. The last shard holds the end of the weight and
+# the bias: 2 int8 blocks (the most of any shard); int4 blocks of at most 512 elements: 3 in every shard.
+REC8 = SHARD + 4 * 2
+REC4 = SHARD // 2 + 4 * 3
 NORM = 4  # the global gradient norm's all-reduce (fp32, world group)
 # Switch sets, as in the benchmark: each adds one to the previous.
 SWITCHES = {
@@ -57,36 +60,65 @@ LOSS_TOLERANCE = {"qwZ": 0.005, "qwZ+hpZ": 0.005, "qwZ+hpZ+qgZ": 0.03}
 # -- single process ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("numel", [1, 7, 1040, 8000, 8001, 100_003])
-def test_quantized_records_hold_each_value_within_half_a_step(numel):
+def _buffer_layouts(numels: list[int], slices: int):
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    slice_numel = -(-sum(numels) // slices)
+    return [BlockLayout.for_buffer(offsets, numels, slice_numel, slices, bits=bits, max_block=block)
+            for bits, block in ((8, 8000), (4, 512))], offsets  # fmt: skip
+
+
+@pytest.mark.parametrize("numels", [[1], [7], [4096, 64], [8000, 8001, 3], [100_003, 128, 128]])
+def test_blocks_stop_at_parameter_boundaries_and_hold_each_value_within_half_a_step(numels):
     torch.manual_seed(0)
-    for fmt in (BlockFormat.for_weights(numel), BlockFormat.for_gradients(numel)):
-        assert fmt.block % 8 == 0 and fmt.blocks * fmt.block >= numel > (fmt.blocks - 1) * fmt.block - 8
-        assert fmt.record_bytes == fmt.blocks * fmt.block * fmt.bits // 8 + 4 * fmt.blocks
-        if fmt.bits == 8:
-            assert fmt.block <= 8000 + 7  # DeepSpeed's target group size for weights
-        values = torch.randn(3, numel) * torch.logspace(-3, 3, numel)  # wide range: blocks differ in scale
-        records = quantize(values, fmt)
-        assert records.dtype == torch.uint8 and records.shape == (3, fmt.record_bytes)
-        restored = dequantize(records, fmt)
-        padded = torch.nn.functional.pad(values, (0, fmt.blocks * fmt.block - numel))
-        step = padded.view(3, fmt.blocks, fmt.block).abs().amax(dim=2) / fmt.qmax
-        bound = (step / 2).repeat_interleave(fmt.block, dim=1)[:, :numel]
+    layouts, offsets = _buffer_layouts(numels, 4)
+    for layout in layouts:
+        max_block = 8000 if layout.bits == 8 else 512
+        starts, position = set(), 0
+        for row in layout.lengths:
+            for n in row:
+                assert 0 < n <= max_block
+                starts.add(position)
+                position += n
+        assert set(offsets) <= starts  # every parameter starts a block
+        assert (
+            layout.record_bytes == -(-layout.slice_numel // 8) * 8 * layout.bits // 8 + 4 * layout.max_blocks
+        )
+        values = torch.randn(4, layout.slice_numel) * torch.logspace(-3, 3, layout.slice_numel)
+        records = quantize(values, layout, range(4))
+        assert records.dtype == torch.uint8 and records.shape == (4, layout.record_bytes)
+        restored = dequantize(records, layout, range(4))
+        lengths = torch.tensor([n for row in layout.lengths for n in row])
+        step = torch.segment_reduce(values.reshape(-1).abs(), "max", lengths=lengths) / layout.qmax
+        bound = torch.repeat_interleave(step / 2, lengths).view(4, -1)
         assert ((restored - values).abs() <= bound * (1 + 1e-5)).all()
         # values on the quantization grid come back exactly (the block maxima included)
-        assert torch.equal(dequantize(quantize(restored, fmt), fmt), restored)
+        assert torch.equal(dequantize(quantize(restored, layout, range(4)), layout, range(4)), restored)
+        # a single slice is quantized as in the whole: row 2 alone gives row 2's record
+        assert torch.equal(quantize(values[2:3], layout, [2])[0], records[2])
+
+
+def test_a_large_neighbour_does_not_coarsen_a_small_parameter():
+    """A LayerNorm weight of ones next to a matrix of values around 0.02: blocks stop at the boundary, so the
+    matrix keeps its own scale (one shared block would round it to steps of 1/127)."""
+    numels = [128, 7872]
+    (layout, _), _ = _buffer_layouts(numels, 1)
+    values = torch.cat([torch.ones(128), 0.02 * torch.randn(7872)]).view(1, -1)
+    restored = dequantize(quantize(values, layout, [0]), layout, [0])
+    matrix = values[0, 128:]
+    assert (restored[0, 128:] - matrix).abs().max() <= matrix.abs().max() / 127 / 2 * (1 + 1e-5)
+    assert torch.equal(restored[0, :128], values[0, :128])
 
 
 def test_zeros_stay_zero_and_non_finite_blocks_come_back_as_nan():
-    fmt = BlockFormat.for_gradients(1500)  # 3 blocks of 512
+    layout = BlockLayout([[512, 512, 476]], bits=4)
     values = torch.randn(1, 1500)
     values[0, 10], values[0, 1200] = float("inf"), float("nan")
-    restored = dequantize(quantize(values, fmt), fmt)[0]
+    restored = dequantize(quantize(values, layout, [0]), layout, [0])[0]
     assert restored[:512].isnan().all() and restored[1024:].isnan().all()
     assert torch.isfinite(restored[512:1024]).all()  # the block without one is untouched
     zeros = torch.zeros(2, 100, dtype=torch.bfloat16)
-    assert torch.equal(dequantize(quantize(zeros, BlockFormat.for_weights(100)), BlockFormat.for_weights(100),
-                                  torch.bfloat16), zeros)  # fmt: skip
+    layout = BlockLayout([[60, 40], [100]], bits=8)
+    assert torch.equal(dequantize(quantize(zeros, layout, [0, 1]), layout, [0, 1], torch.bfloat16), zeros)
 
 
 def test_node_layout_from_the_launcher_environment_or_the_override():
@@ -174,17 +206,17 @@ def _training_run(switches: dict, steps: int) -> dict:
     return result
 
 
-def _two_step_reference(buffers: list[torch.Tensor], rank: int, shard: int) -> torch.Tensor:
+def _two_step_reference(buffers: list[torch.Tensor], rank: int, layout: BlockLayout) -> torch.Tensor:
     """What qgZ must leave on `rank` (node m, local index l), from every rank's buffer: within each node the
     local ranks' int4-rounded slices for (m, l) are summed, that partial sum is int4-rounded again, and the
     nodes' partial sums are added up."""
-    fmt = BlockFormat.for_gradients(shard)
+    shard = layout.slice_numel
     mine = [b[rank * shard : (rank + 1) * shard] for b in buffers]
-    partials = [
-        dequantize(quantize(torch.stack(mine[node * LOCAL : (node + 1) * LOCAL]), fmt), fmt).sum(dim=0)
-        for node in range(NODES)
-    ]
-    return dequantize(quantize(torch.stack(partials), fmt), fmt).sum(dim=0)
+    rounded = [dequantize(quantize(torch.stack(mine), layout, [rank] * WORLD), layout, [rank] * WORLD)]
+    partials = torch.stack(
+        [rounded[0][node * LOCAL : (node + 1) * LOCAL].sum(dim=0) for node in range(NODES)]
+    )
+    return dequantize(quantize(partials, layout, [rank] * NODES), layout, [rank] * NODES).sum(dim=0)
 
 
 def _reduce_check() -> dict:
@@ -197,15 +229,20 @@ def _reduce_check() -> dict:
     groups = NodeGroups(None, NodeLayout.from_env(WORLD), hierarchical=True)
     reduce = QuantizedGradientReduce(groups)
     rank, shard = dist.get_rank(), 3000
+    # a bucket of three parameters (boundaries inside slices 0 and 2) and some padding
+    bucket = SimpleNamespace(
+        offsets=[0, 2500, 7000], numels=[2500, 4500, 4900], shard_numel=shard, world=WORLD
+    )
     torch.manual_seed(rank)
     staging = torch.randn(WORLD * shard) * torch.logspace(-2, 2, WORLD * shard)
+    staging[11900:] = 0  # padding
     buffers = [torch.empty_like(staging) for _ in range(WORLD)]
     dist.all_gather(buffers, staging)
     own = staging[rank * shard : (rank + 1) * shard]
-    reduce(own, staging).wait()
+    reduce(own, staging, bucket).wait()
     exact = sum(b[rank * shard : (rank + 1) * shard] for b in buffers)
     return {
-        "equal": torch.equal(own, _two_step_reference(buffers, rank, shard)),
+        "equal": torch.equal(own, _two_step_reference(buffers, rank, reduce.layout(bucket))),
         "error": (own - exact).abs().max().item(),
         "scale": exact.abs().max().item(),
         "groups": (groups.local_size, groups.num_nodes),

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardspeed.runtime.memory import estimate
-from shardspeed.zero.zeropp.quantize import BlockFormat, dequantize, quantize
+from shardspeed.zero.zeropp.quantize import BlockLayout, dequantize, quantize
 
 from common import base_config, build_model, train_engine
 from harness import run_ranks
@@ -260,9 +260,11 @@ def test_frozen_weights_are_stored_as_int8_blocks_of_each_shard(runs):
     for rank in runs[0]:
         frozen = rank["frozen int8"]
         original = frozen["original"].reshape(4, -1)  # four equal shards (512 elements, no padding)
-        fmt = BlockFormat.for_weights(original.shape[1])
-        expected = dequantize(quantize(original, fmt), fmt).reshape(frozen["original"].shape)
+        layout = BlockLayout([[128]] * 4, bits=8)  # the unit holds this one parameter: a block per shard
+        expected = dequantize(quantize(original, layout, range(4)), layout, range(4)).view_as(
+            frozen["original"]
+        )
         assert torch.equal(frozen["gathered"], expected)
         assert not torch.equal(expected, frozen["original"])
-        saved = 4 * original.shape[1] - fmt.record_bytes  # this rank's fp32 shard -> its int8 record
+        saved = 4 * 128 - (128 + 4)  # this rank's fp32 shard -> its int8 record (values and one scale)
         assert frozen["plain_bytes"] - frozen["bytes"] == saved

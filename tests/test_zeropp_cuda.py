@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from shardspeed.zero.zeropp.quantize import BlockFormat, dequantize, quantize
+from shardspeed.zero.zeropp.quantize import BlockLayout, dequantize, quantize
 
 from common import base_config, build_model, train_engine
 from harness import run_ranks
@@ -20,13 +20,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_records_on_cuda_equal_the_cpu_ones(dtype):
     torch.manual_seed(0)
-    for numel in (7, 1040, 100_003):
-        values = (torch.randn(3, numel) * torch.logspace(-3, 3, numel)).to(dtype)
+    for numels in ([7], [4096, 64], [100_003, 128, 128]):
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        slice_numel = -(-sum(numels) // 3)
+        values = (torch.randn(3, slice_numel) * torch.logspace(-3, 3, slice_numel)).to(dtype)
         values[1, 5] = float("inf")
-        for fmt in (BlockFormat.for_weights(numel), BlockFormat.for_gradients(numel)):
-            cpu, gpu = quantize(values, fmt), quantize(values.cuda(), fmt)
+        for bits, block in ((8, 8000), (4, 512)):
+            layout = BlockLayout.for_buffer(offsets, numels, slice_numel, 3, bits=bits, max_block=block)
+            cpu, gpu = quantize(values, layout, range(3)), quantize(values.cuda(), layout, range(3))
             assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
-            back_gpu, back_cpu = dequantize(gpu, fmt, dtype).cpu(), dequantize(cpu, fmt, dtype)
+            back_gpu = dequantize(gpu, layout, range(3), dtype).cpu()
+            back_cpu = dequantize(cpu, layout, range(3), dtype)
             assert torch.equal(back_gpu.isnan(), back_cpu.isnan())
             assert torch.equal(back_gpu.nan_to_num(), back_cpu.nan_to_num())
 

@@ -87,7 +87,7 @@ class ShardedGradReducer:
         self.world_size = dist.get_world_size(group)
         self.comm_dtype = comm_dtype
         self.use_reduce_scatter = use_reduce_scatter
-        self.quantized_reduce = quantized_reduce  # qgZ: `quantized_reduce(own, staging)` -> work
+        self.quantized_reduce = quantized_reduce  # qgZ: `quantized_reduce(own, staging, bucket)` -> work
         self.max_in_flight = MAX_IN_FLIGHT if overlap_comm else 0
         self.prescale = prescale_gradients
         self.predivide = gradient_predivide_factor
@@ -155,7 +155,7 @@ class ShardedGradReducer:
         rank = dist.get_rank(self.group)
         own = slot.staging[rank * slot.bucket.shard_numel : (rank + 1) * slot.bucket.shard_numel]
         if self.quantized_reduce is not None:
-            work = self.quantized_reduce(own, slot.staging)
+            work = self.quantized_reduce(own, slot.staging, slot.bucket)
         elif self.use_reduce_scatter:
             work = reduce_scatter_flat(own, slot.staging, group=self.group, async_op=True)
         else:

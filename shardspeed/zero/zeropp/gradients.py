@@ -23,49 +23,62 @@ and a single node skips step 2 (nothing is quantized where nothing is sent).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from shardspeed.comm.collectives import all_to_all_single, completed_work, then
-from shardspeed.zero.zeropp.quantize import BlockFormat, dequantize, quantize
+from shardspeed.zero.zeropp.quantize import BlockLayout, dequantize, quantize
 
 __all__ = ["QuantizedGradientReduce"]
 
 
 class QuantizedGradientReduce:
-    """`reduce(own, staging)`: the reducer's reduce-scatter, as qgZ's two quantized all-to-alls."""
+    """`reduce(own, staging, bucket)`: the reducer's reduce-scatter, as qgZ's two quantized all-to-alls."""
 
     def __init__(self, node_groups):
         self.intra, self.inter = node_groups.intra_node, node_groups.inter_node
         self.local_size, self.num_nodes = node_groups.local_size, node_groups.num_nodes
         self.world = self.local_size * self.num_nodes
-        # destination order for step 1: slices grouped by the local index of the rank they are meant for
+        local = dist.get_rank(self.intra) if self.local_size > 1 else 0
+        node = dist.get_rank(self.inter) if self.num_nodes > 1 else 0
+        self.rank = node * self.local_size + local
+        # step 1 sends slices grouped by the local index of the rank they are meant for, and receives from
+        # each local rank the slices of the ranks with this local index; step 2 sends those M partial sums
         self.by_local_index = [
-            m * self.local_size + local for local in range(self.local_size) for m in range(self.num_nodes)
+            m * self.local_size + i for i in range(self.local_size) for m in range(self.num_nodes)
         ]
+        self.my_column = [m * self.local_size + local for m in range(self.num_nodes)]
+        self._layouts: dict[int, BlockLayout] = {}  # id(bucket) -> its int4 blocks, worked out once
 
-    def __call__(self, own: torch.Tensor, staging: torch.Tensor):
-        """Start reducing `staging` (N slices); `own` (this rank's slice of it) receives the sum on `wait()`."""
+    def layout(self, bucket) -> BlockLayout:
+        if id(bucket) not in self._layouts:
+            self._layouts[id(bucket)] = BlockLayout.for_gradients(bucket)
+        return self._layouts[id(bucket)]
+
+    def __call__(self, own: torch.Tensor, staging: torch.Tensor, bucket):
+        """Start reducing `staging` (N slices of `bucket`'s layout); `own` (this rank's slice of it) receives
+        the sum on `wait()`."""
         slices = staging.view(self.world, -1)
-        fmt = BlockFormat.for_gradients(slices.shape[1])
+        layout = self.layout(bucket)
         if self.local_size == 1:  # one rank per node: its slices are already its node's partial sums
             sums = slices.float()
-            return then(completed_work(), lambda: self._across_nodes(own, sums, fmt))
+            return then(completed_work(), lambda: self._across_nodes(own, sums, layout))
         order = torch.tensor(self.by_local_index, device=staging.device)
-        records = quantize(slices.index_select(0, order), fmt)
+        records = quantize(slices.index_select(0, order), layout, self.by_local_index)
         received = torch.empty_like(records)
         work = all_to_all_single(received.view(-1), records.view(-1), group=self.intra, async_op=True)
 
         def finish() -> None:
-            node_sums = dequantize(received, fmt).view(self.local_size, self.num_nodes, -1).sum(dim=0)
-            self._across_nodes(own, node_sums, fmt)
+            values = dequantize(received, layout, self.my_column * self.local_size)
+            self._across_nodes(own, values.view(self.local_size, self.num_nodes, -1).sum(dim=0), layout)
 
         return then(work, finish)
 
-    def _across_nodes(self, own: torch.Tensor, node_sums: torch.Tensor, fmt: BlockFormat) -> None:
+    def _across_nodes(self, own: torch.Tensor, node_sums: torch.Tensor, layout: BlockLayout) -> None:
         """Step 2: partial sum m' to node m'; this rank's M partial sums add up in `own`."""
         if self.num_nodes == 1:
             own.copy_(node_sums[0])
             return
-        records = quantize(node_sums, fmt)
+        records = quantize(node_sums, layout, self.my_column)
         received = torch.empty_like(records)
         all_to_all_single(received.view(-1), records.view(-1), group=self.inter)
-        own.copy_(dequantize(received, fmt).sum(dim=0))
+        own.copy_(dequantize(received, layout, [self.rank] * self.num_nodes).sum(dim=0))

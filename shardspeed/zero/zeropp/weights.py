@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.comm.collectives import all_gather_flat, then
-from shardspeed.zero.zeropp.quantize import BlockFormat, dequantize, quantize
+from shardspeed.zero.zeropp.quantize import BlockLayout, dequantize, quantize
 
 __all__ = ["QuantizedHome", "WeightGather"]
 
@@ -43,6 +43,12 @@ class WeightGather:
         self.quantize_frozen = quantize_frozen
         self.hpz_group, self.hpz_size = hpz_group, hpz_size
         self.hpz_rank = dist.get_rank(hpz_group) if hpz_size > 1 else 0
+        self._layouts: dict[int, BlockLayout] = {}  # id(unit) -> its int8 blocks, worked out once
+
+    def layout(self, unit) -> BlockLayout:
+        if id(unit) not in self._layouts:
+            self._layouts[id(unit)] = BlockLayout.for_weights(unit)
+        return self._layouts[id(unit)]
 
     def start(self, unit, for_training: bool):
         """Start filling `unit.flat`. Returns (work, approximate): approximate when the values are not the
@@ -51,11 +57,11 @@ class WeightGather:
             work = all_gather_flat(unit.flat, unit.secondary, group=self.hpz_group, async_op=True)
             return work, unit.secondary_approximate
         if isinstance(unit.home, QuantizedHome):  # stored quantized: these bytes are the exact values
-            return _gather_records(unit, unit.home.records, unit.home.fmt), False
+            return _gather_records(unit, unit.home.records, unit.home.layout), False
         if for_training and self.quantize_weights:
-            fmt = BlockFormat.for_weights(unit.shard_numel)
-            records = quantize(unit.read_shard().view(1, -1), fmt)
-            return _gather_records(unit, records, fmt), True
+            layout = self.layout(unit)
+            records = quantize(unit.read_shard().view(1, -1), layout, [unit.rank])
+            return _gather_records(unit, records, layout), True
         return all_gather_flat(unit.flat, unit.read_shard(), group=unit.group, async_op=True), False
 
     def keep_secondary(self, unit) -> None:
@@ -68,17 +74,19 @@ class WeightGather:
     def home_for_frozen(self, unit, shard: torch.Tensor):
         """Where a frozen, non-persistent unit keeps its shard between uses: int8 records with
         `zero_quantized_nontrainable_weights`, else nowhere special (None)."""
-        return QuantizedHome(shard) if self.quantize_frozen and unit.group_index is None else None
+        if not (self.quantize_frozen and unit.group_index is None):
+            return None
+        return QuantizedHome(shard, self.layout(unit), unit.rank)
 
 
-def _gather_records(unit, records: torch.Tensor, fmt: BlockFormat):
+def _gather_records(unit, records: torch.Tensor, layout: BlockLayout):
     """All-gather every rank's quantized shard (one record each) and dequantize into the unit's buffer."""
     flat = unit.flat
-    gathered = torch.empty(unit.world * fmt.record_bytes, dtype=torch.uint8, device=flat.device)
+    gathered = torch.empty(unit.world * layout.record_bytes, dtype=torch.uint8, device=flat.device)
     work = all_gather_flat(gathered, records.view(-1), group=unit.group, async_op=True)
 
     def finish() -> None:
-        flat.view(unit.world, unit.shard_numel).copy_(dequantize(gathered, fmt))
+        flat.view(unit.world, unit.shard_numel).copy_(dequantize(gathered, layout, range(unit.world)))
 
     return then(work, finish)
 
@@ -91,16 +99,16 @@ class QuantizedHome:
 
     on_disk = False
 
-    def __init__(self, shard: torch.Tensor):
+    def __init__(self, shard: torch.Tensor, layout: BlockLayout, rank: int):
         self.dtype, self.device = shard.dtype, shard.device
-        self.fmt = BlockFormat.for_weights(shard.numel())
-        self.records = quantize(shard.view(1, -1), self.fmt).view(-1)
+        self.layout, self.rank = layout, rank
+        self.records = quantize(shard.view(1, -1), layout, [rank]).view(-1)
 
     def load(self) -> torch.Tensor:
-        return dequantize(self.records, self.fmt, self.dtype).view(-1)
+        return dequantize(self.records, self.layout, [self.rank], self.dtype).view(-1)
 
     def store(self, value: torch.Tensor) -> None:
-        self.records = quantize(value.reshape(1, -1).to(self.device), self.fmt).view(-1)
+        self.records = quantize(value.reshape(1, -1).to(self.device), self.layout, [self.rank]).view(-1)
 
     replace = store
 
