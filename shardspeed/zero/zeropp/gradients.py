@@ -48,6 +48,12 @@ class QuantizedGradientReduce:
         ]
         self.my_column = [m * self.local_size + local for m in range(self.num_nodes)]
         self._layouts: dict[int, BlockLayout] = {}  # id(bucket) -> its int4 blocks, worked out once
+        self._orders: dict = {}
+
+    def _order(self, device: torch.device) -> torch.Tensor:
+        if device not in self._orders:  # made once per device: no host-to-device copy per bucket
+            self._orders[device] = torch.tensor(self.by_local_index, device=device)
+        return self._orders[device]
 
     def layout(self, bucket) -> BlockLayout:
         if id(bucket) not in self._layouts:
@@ -62,8 +68,7 @@ class QuantizedGradientReduce:
         if self.local_size == 1:  # one rank per node: its slices are already its node's partial sums
             sums = slices.float()
             return then(completed_work(), lambda: self._across_nodes(own, sums, layout))
-        order = torch.tensor(self.by_local_index, device=staging.device)
-        records = quantize(slices.index_select(0, order), layout, self.by_local_index)
+        records = quantize(slices.index_select(0, self._order(staging.device)), layout, self.by_local_index)
         received = torch.empty_like(records)
         work = all_to_all_single(received.view(-1), records.view(-1), group=self.intra, async_op=True)
 
