@@ -3,9 +3,10 @@
 `measure(engine)` counts the bytes of the tensors the engine holds, by category: the module's parameters
 (full or, in stage 3, shards plus persistent units), gradients (buckets or shards), fp32 master weights
 (when they are separate tensors), optimizer state, and communication buffers in flight. Storages shared by
-several views are counted once. ZeRO++'s hpZ secondary shards are `secondary_params`: a unit holds one
-from its first release after an optimizer step until the next step, so they show between a forward and the
-step (the formula: 1/`zero_hpz_partition_size` of the 16-bit model, less persistent units), not after it.
+several views are counted once. ZeRO++'s hpZ secondary shards are `secondary_params`: a trainable unit
+holds one from its first release after an optimizer step until the next step, so they show between a
+forward and the step (the formula: 1/`zero_hpz_partition_size` of the 16-bit model, less persistent units),
+not after it; frozen units keep theirs.
 
 `estimate(num_params, world_size, stage, dtype)` is the ZeRO paper's per-rank model-state memory for Adam
 (design.md's table), the counterpart of DeepSpeed's `estimate_zero*_model_states_mem_needs`.

@@ -80,6 +80,7 @@ class ParamUnit(FlatParamBucket):
             self._shard = None if self._home is not None else self._shard
         if not persistent:
             self.free()
+            self.secondary = None  # hpZ keeps what a gather brought, not the values the unit was built from
 
     @property
     def shard(self) -> torch.Tensor:
