@@ -252,14 +252,27 @@ def _reduce_check() -> dict:
 def _refusals() -> dict:
     import shardspeed
 
-    def message(zero: dict) -> str:
+    def message(zero: dict, model=None) -> str:
         config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
                   "zero_optimization": zero}  # fmt: skip
         try:
-            shardspeed.initialize(model=nn.Linear(8, 8), config=config)
+            shardspeed.initialize(model=model or nn.Linear(8, 8), config=config)
         except ValueError as err:
             return str(err)
         return "accepted"
+
+    def with_launcher_env(**env) -> str:
+        """The launcher says ranks 2 and 3 run on node 0 too, while it gives 2 ranks per node."""
+        saved = os.environ.pop("SHARDSPEED_RANKS_PER_NODE")
+        os.environ.update(env)
+        try:
+            return message({"stage": 3, "zero_quantized_gradients": True})
+        finally:
+            for key in env:
+                del os.environ[key]
+            os.environ["SHARDSPEED_RANKS_PER_NODE"] = saved
+
+    from moe_common import TinyMoE
 
     return {
         "stage 2": message({"stage": 2, "zero_quantized_weights": True}),
@@ -275,6 +288,13 @@ def _refusals() -> dict:
         "loco": message(
             {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8}}
         ),
+        "frozen int8 offload_param": message(
+            {"stage": 3, "zero_quantized_nontrainable_weights": True, "offload_param": {"device": "cpu"}}
+        ),
+        "moe hpz": message(
+            {"stage": 3, "zero_hpz_partition_size": 2}, TinyMoE(ep_size=2, k=1, drop_tokens=False)
+        ),
+        "node index": with_launcher_env(LOCAL_SIZE="2", CROSS_RANK="0"),
     }
 
 
@@ -374,4 +394,14 @@ def test_unsupported_combinations_are_refused_by_key(four_ranks):
         in (refusals["hpz offload_param"])
     )
     assert refusals["loco"].startswith("zero_optimization.zeropp_loco_param: LoCo-ZeRO++ was removed")
+    assert refusals["frozen int8 offload_param"].startswith(
+        "zero_optimization.zero_quantized_nontrainable_weights: not supported together with "
+        "zero_optimization.offload_param (device 'cpu')"
+    )
+    assert refusals["moe hpz"].startswith(
+        "zero_optimization.zero_hpz_partition_size: not supported with Mixture-of-Experts layers"
+    )
+    assert refusals["node index"].startswith(
+        "zero_optimization.zero_quantized_gradients: rank 2 runs on node 0 but LOCAL_SIZE=2 puts it on node 1"
+    )
     assert all(rank["refusals"] == refusals for rank in four_ranks)  # every rank raised the same error
