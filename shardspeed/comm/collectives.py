@@ -54,6 +54,12 @@ def completed_work() -> _Works:
     return _Works([])
 
 
+def then(work, finish) -> _Works:
+    """A handle whose `wait()` waits for `work` (an in-flight collective), then runs `finish()` — the local
+    work that uses what arrived (ZeRO++ dequantizes there)."""
+    return _Works([work], finish)
+
+
 def _local(output: torch.Tensor, input: torch.Tensor, async_op: bool):
     """A world of one: `output` is `input` (copied unless they are the same memory)."""
     if not _same_memory(output, input):

@@ -10,6 +10,10 @@ Message size is the bytes of the whole collective buffer: the tensor for all_red
 gathered (or to-be-scattered) flat buffer of world_size shards for all_gather/reduce_scatter. Bandwidths
 follow DeepSpeed's (and nccl-tests') conventions: algbw = size / latency; busbw = algbw x 2(n-1)/n for
 all-reduce, x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for point-to-point and rooted ops.
+
+Bytes are also counted by where they travel (`bytes_by_locality`): a collective whose group lies inside one
+node (comm/nodes.py's `NodeLayout`: the launcher's ranks per node, or `SHARDSPEED_RANKS_PER_NODE`) counts as
+`intra_node`, any other as `inter_node` — the split ZeRO++ is about.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed import accelerator
+from shardspeed.comm.nodes import NodeLayout
 from shardspeed.utils.logging import log_dist
 
 __all__ = ["CommsLogger", "active", "configure", "log_summary"]
@@ -54,6 +59,8 @@ class CommsLogger:
         self.prof_all, self.prof_ops = prof_all, list(prof_ops)
         self.verbose, self.debug = verbose, debug
         self.records: dict[str, dict[int, OpRecord]] = defaultdict(lambda: defaultdict(OpRecord))
+        self.locality: dict[str, int] = defaultdict(int)  # "intra_node" / "inter_node" -> bytes
+        self._scopes: dict = {}  # group -> its locality, worked out once per group
 
     def wants(self, name: str, prof: bool) -> bool:
         return self.prof_all or prof or name in self.prof_ops
@@ -79,6 +86,9 @@ class CommsLogger:
         algbw = nbytes * 8 / (latency_ms * 1e6) if latency_ms > 0 else 0.0  # bytes/ms -> Gbps
         busbw = algbw * _BUS_FACTOR.get(op, lambda n: 1.0)(n)
         entry = self.records[log_name][nbytes]
+        scope = self._scope(group)
+        if scope is not None:
+            self.locality[scope] += nbytes
         entry.latencies_ms.append(latency_ms)
         entry.algbw_gbps.append(algbw)
         entry.busbw_gbps.append(busbw)
@@ -94,8 +104,29 @@ class CommsLogger:
         return {op: sum(size * len(r.latencies_ms) for size, r in by_size.items())
                 for op, by_size in self.records.items()}  # fmt: skip
 
+    def bytes_by_locality(self) -> dict[str, int]:
+        """Total message bytes of collectives within one node (`intra_node`) and across nodes (`inter_node`)
+        since configure or the last `reset()`."""
+        return {"intra_node": self.locality["intra_node"], "inter_node": self.locality["inter_node"]}
+
+    def _scope(self, group) -> str | None:
+        """`intra_node` when every rank of `group` (None: the world) is on one node; None if unknown."""
+        if not dist.is_initialized():
+            return None
+        key = group if group is not None else "world"
+        if key not in self._scopes:
+            try:
+                layout = NodeLayout.from_env(dist.get_world_size())
+            except ValueError:  # a malformed launcher variable: nothing to split by (ZeRO++ reports it)
+                self._scopes[key] = None
+            else:
+                ranks = dist.get_process_group_ranks(group) if group is not None else range(layout.world_size)
+                self._scopes[key] = "intra_node" if layout.within_one_node(ranks) else "inter_node"
+        return self._scopes[key]
+
     def reset(self) -> None:
         self.records.clear()
+        self.locality.clear()
 
     def summary(self, show_straggler: bool = False) -> str:
         header = ["Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)",

@@ -10,6 +10,10 @@ Groups are created once, in a fixed order (axes in declaration order, slices in 
 `torch.distributed.new_group` is collective over the whole world, so every rank must call it for every
 slice in the same sequence, including slices it is not a member of. Nothing here is a module global; the
 engine and the parallel parts are handed the grid.
+
+Nodes: `NodeGroups` cuts ZeRO++'s groups out of each data-parallel group along the nodes `NodeLayout`
+(comm/nodes.py) describes: the ranks of one node, the ranks with one local index across nodes, and hpZ's
+secondary partition groups.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from __future__ import annotations
 import itertools
 import math
 
+import torch
 import torch.distributed as dist
+
+from shardspeed.comm.nodes import RANKS_PER_NODE_ENV, NodeLayout
 
 __all__ = [
     "KNOWN_AXES",
+    "NodeGroups",
     "ParallelGrid",
     "PipeDataParallelTopology",
     "PipeModelDataParallelTopology",
@@ -311,3 +319,104 @@ class ParallelGrid:
 
 
 PipelineParallelGrid = ParallelGrid  # DeepSpeed's name
+
+
+class NodeGroups:
+    """ZeRO++'s process groups inside this rank's data-parallel group, cut along nodes.
+
+    - `intra_node`: the data-parallel ranks on this rank's node (`local_size` of them; qgZ's first all-to-all);
+    - `inter_node`: the data-parallel ranks with this rank's local index, one per node (`num_nodes` of
+      them; qgZ's second all-to-all);
+    - `hpz`: `hpz_size` consecutive data-parallel ranks (hpZ's secondary partition group; the intra-node
+      group itself when it has that size).
+
+    Collective over the world: every rank builds it with the same arguments. The data-parallel groups of all
+    ranks are exchanged first (one small all-gather), so every rank creates every group, in one order, and
+    raises the same error when the layout does not fit. Errors are ValueErrors naming what does not fit;
+    the caller adds the config key.
+    """
+
+    def __init__(self, group, layout: NodeLayout, *, hpz_size: int = 1, hierarchical: bool = False):
+        slices, nodes = _exchange_layout(group, layout)
+        rank = dist.get_rank()
+        mine = next(s for s in slices if rank in s)
+        _check_nodes(nodes, layout)
+        per_node = _per_node(mine, layout)
+        self.local_size = len(per_node[0])
+        self.num_nodes = len(per_node)
+        self.hpz_size = hpz_size
+        self.intra_node = self.inter_node = self.hpz = None
+        for ranks in slices:
+            self._create(ranks, layout, hpz_size, hierarchical, mine=ranks == mine)
+        self.hpz_spans_nodes = hpz_size > 1 and not layout.within_one_node(mine[:hpz_size])
+
+    def _create(self, ranks: list[int], layout: NodeLayout, hpz_size: int, hierarchical: bool, mine: bool):
+        rank = dist.get_rank()
+        per_node = _per_node(ranks, layout)
+        intra: dict[tuple, object] = {}
+        if hierarchical:
+            if len({len(n) for n in per_node}) != 1:
+                counts = ", ".join(f"{len(n)}" for n in per_node)
+                raise ValueError(
+                    f"the data-parallel group {ranks} has {counts} ranks on its nodes; a hierarchical "
+                    "reduction needs the same number of data-parallel ranks on every node"
+                )
+            for members in per_node:
+                intra[tuple(members)] = _new_group(members, rank, mine, self, "intra_node")
+            for local in range(len(per_node[0])):
+                _new_group([members[local] for members in per_node], rank, mine, self, "inter_node")
+        if hpz_size > 1:
+            if len(ranks) % hpz_size:
+                raise ValueError(
+                    f"a secondary partition of {hpz_size} ranks does not divide the data-parallel group of "
+                    f"{len(ranks)} ranks {ranks}"
+                )
+            for start in range(0, len(ranks), hpz_size):
+                members = ranks[start : start + hpz_size]
+                reused = intra.get(tuple(members))
+                if reused is not None:  # the node's group: no second communicator for the same ranks
+                    if rank in members:
+                        self.hpz = reused
+                else:
+                    _new_group(members, rank, mine, self, "hpz")
+
+
+def _new_group(members: list[int], rank: int, mine: bool, owner: NodeGroups, attribute: str):
+    group = dist.new_group(ranks=members)  # collective over the world: every rank creates every group
+    if mine and rank in members:
+        setattr(owner, attribute, group)
+    return group
+
+
+def _per_node(ranks: list[int], layout: NodeLayout) -> list[list[int]]:
+    nodes: dict[int, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(layout.node_of(r), []).append(r)
+    return [nodes[n] for n in sorted(nodes)]
+
+
+def _exchange_layout(group, layout: NodeLayout) -> tuple[list[list[int]], list[int]]:
+    """Every rank's data-parallel group and launcher-stated node (-1: none): one all-gather over the world."""
+    from shardspeed.comm.collectives import comm_device
+
+    world = dist.get_world_size()
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    row = torch.full((world + 1,), -1, dtype=torch.int64, device=comm_device())
+    row[: len(ranks)] = torch.tensor(sorted(ranks), dtype=torch.int64)
+    row[world] = -1 if layout.node_hint is None else layout.node_hint
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row)
+    table = torch.stack(rows).cpu().tolist()
+    slices = sorted({tuple(r for r in t[:world] if r >= 0) for t in table})
+    return [list(s) for s in slices], [t[world] for t in table]
+
+
+def _check_nodes(nodes: list[int], layout: NodeLayout) -> None:
+    """The launcher's node indices (where stated) must be the layout's, or intra/inter would be mislabelled."""
+    for rank, node in enumerate(nodes):
+        if node >= 0 and node != layout.node_of(rank):
+            raise ValueError(
+                f"rank {rank} runs on node {node} but {layout.source}={layout.ranks_per_node} puts it on node "
+                f"{layout.node_of(rank)}: nodes must hold equal numbers of consecutive ranks (set "
+                f"{RANKS_PER_NODE_ENV} to describe the layout)"
+            )

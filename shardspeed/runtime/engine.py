@@ -43,6 +43,7 @@ from shardspeed.sequence.engine_part import SequenceParallelism
 from shardspeed.utils.logging import log_dist
 from shardspeed.utils.z3_leaf_module import apply_leaf_module_config
 from shardspeed.zero import init as zero_init
+from shardspeed.zero.zeropp import build_zeropp
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
@@ -121,6 +122,10 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             model_parameters = list(self.module.parameters())
         self.client_optimizer = optimizer  # what the script passed (`optimizer_name()` reports its class)
         client_optimizer = resolve_optimizer(optimizer, model_parameters, config)
+        self.zeropp = build_zeropp(  # ZeRO++ (stage 3): node groups, quantized gathers and reduction
+            config.zero_optimization, stage=self.zero_optimization_stage(), group=self.dp_group,
+            module=self.module, moe=self.moe is not None,
+        )  # fmt: skip
         self.optimizer = self._wrap_optimizer(client_optimizer) if client_optimizer is not None else None
         self.basic_optimizer = client_optimizer
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)

@@ -3,7 +3,10 @@
 `measure(engine)` counts the bytes of the tensors the engine holds, by category: the module's parameters
 (full or, in stage 3, shards plus persistent units), gradients (buckets or shards), fp32 master weights
 (when they are separate tensors), optimizer state, and communication buffers in flight. Storages shared by
-several views are counted once.
+several views are counted once. ZeRO++'s hpZ secondary shards are `secondary_params`: a trainable unit
+holds one from its first release after an optimizer step until the next step, so they show between a
+forward and the step (the formula: 1/`zero_hpz_partition_size` of the 16-bit model, less persistent units),
+not after it; frozen units keep theirs.
 
 `estimate(num_params, world_size, stage, dtype)` is the ZeRO paper's per-rank model-state memory for Adam
 (design.md's table), the counterpart of DeepSpeed's `estimate_zero*_model_states_mem_needs`.
@@ -25,10 +28,14 @@ class ModelStateBytes:
     master_weights: int = 0
     optimizer_state: int = 0
     buffers: int = 0
+    secondary_params: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.master_weights + self.optimizer_state + self.buffers
+        return (
+            self.params + self.grads + self.master_weights + self.optimizer_state + self.buffers
+            + self.secondary_params
+        )  # fmt: skip
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -67,8 +74,11 @@ def measure(engine) -> ModelStateBytes:
 
 def _add_wrapper_states(result: ModelStateBytes, wrapper, seen: set) -> None:
     if wrapper.zero_stage == 3:  # released parameters are empty: their memory is the shards
-        shards = [u.shard_in_memory() for u in wrapper.coordinator.units]  # offloaded ones are not here
-        result.params += _bytes([s for s in shards if s is not None], seen)
+        units = wrapper.coordinator.units
+        shards = [u.shard_in_memory() for u in units]  # offloaded ones are not here
+        stored = [getattr(u.home, "records", None) for u in units]  # frozen weights stored as int8
+        result.params += _bytes([s for s in shards + stored if s is not None], seen)
+        result.secondary_params += _bytes([u.secondary for u in units], seen)
     if wrapper.zero_stage == 0:
         result.grads += _bytes([b.buffer for b in wrapper.reducer.buckets], seen)
         masters = wrapper.master_flats
@@ -85,12 +95,13 @@ def _add_wrapper_states(result: ModelStateBytes, wrapper, seen: set) -> None:
 
 
 def estimate(num_params: int, world_size: int, stage: int, dtype: str = "fp32",
-             optimizer_state_bytes: int = 8) -> ModelStateBytes:  # fmt: skip
+             optimizer_state_bytes: int = 8, hpz_partition_size: int = 1) -> ModelStateBytes:  # fmt: skip
     """Per-rank model-state bytes for `num_params` parameters trained with Adam (8 bytes of state each).
 
     fp32: parameters 4, gradients 4, optimizer 8 bytes per parameter. fp16/bf16: parameters 2, gradients 2,
     fp32 masters 4, optimizer 8. Stage 1 divides optimizer state and masters by N, stage 2 also gradients,
-    stage 3 also parameters.
+    stage 3 also parameters. ZeRO++'s hpZ (stage 3, `hpz_partition_size` h > 1) adds a secondary shard of
+    1/h of the parameters, held from a step's first forward until the step.
     """
     n, psi = world_size, num_params
     width = BYTES[dtype]
@@ -100,6 +111,7 @@ def estimate(num_params: int, world_size: int, stage: int, dtype: str = "fp32",
         grads=width * psi // (n if stage >= 2 else 1),
         master_weights=(4 * psi // (n if stage >= 1 else 1)) if mixed else 0,
         optimizer_state=optimizer_state_bytes * psi // (n if stage >= 1 else 1),
+        secondary_params=width * psi // hpz_partition_size if stage == 3 and hpz_partition_size > 1 else 0,
     )
 
 

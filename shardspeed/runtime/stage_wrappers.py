@@ -86,6 +86,7 @@ def _wrap_params(engine, optimizer, named, group, scaler, owned: set[int] | None
                 engine.module,
                 engine.dp_group,
             ),
+            zeropp=engine.zeropp,
             **common,
             **comm,
         )

@@ -130,7 +130,9 @@ def release(param: torch.Tensor, modifier_rank: int | None) -> None:
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
-def _partition(param: nn.Parameter, group, dtype: torch.dtype | None, remote=None) -> None:
+def _partition(param: nn.Parameter, group, dtype: torch.dtype | None, remote=None, zeropp=None) -> None:
+    if zeropp:  # ZeRO++ switches asked of zero.Init: the engine turns them on (zero/zeropp/__init__.py)
+        param._zero_init_zeropp = zeropp
     if is_partitioned(param):
         return
     data = param.data.to(dtype) if dtype is not None and param.is_floating_point() else param.data
@@ -148,9 +150,9 @@ def _partition(param: nn.Parameter, group, dtype: torch.dtype | None, remote=Non
     param.data = torch.empty(0, dtype=data.dtype, device=data.device)
 
 
-def _partition_module(module: nn.Module, group, dtype, recurse: bool, remote=None) -> None:
+def _partition_module(module: nn.Module, group, dtype, recurse: bool, remote=None, zeropp=None) -> None:
     for p in module.parameters(recurse=recurse):
-        _partition(p, group, dtype, remote)
+        _partition(p, group, dtype, remote, zeropp)
 
 
 class RemoteTier:
@@ -226,14 +228,23 @@ class Init:
         self.remote = None if remote_device in (None, "none") else (
             RemoteTier(remote_device, pin_memory, config_dict_or_path or config)
         )  # fmt: skip
+        # DeepSpeed's zero.Init switches for ZeRO++: recorded on the parameters, honoured by the engine
+        self.zeropp = {
+            key: True
+            for key, on in (("zero_quantized_weights", zero_quantized_weights),
+                            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights))
+            if on
+        }  # fmt: skip
         if module is not None:
-            _partition_module(module, self.group, self.dtype, recurse=True, remote=self.remote)
+            _partition_module(
+                module, self.group, self.dtype, recurse=True, remote=self.remote, zeropp=self.zeropp
+            )
 
     def __enter__(self):
         global _active
         if self.enabled:
             if _active == 0:
-                _install(self.group, self.dtype, self.remote)
+                _install(self.group, self.dtype, self.remote, self.zeropp)
             _active += 1
         return self
 
@@ -267,7 +278,7 @@ def _init_owner(cls: type) -> type:
     return next(c for c in cls.__mro__ if "__init__" in c.__dict__)
 
 
-def _wrap(cls: type, group, dtype, remote) -> None:
+def _wrap(cls: type, group, dtype, remote, zeropp=None) -> None:
     original = cls.__dict__.get("__init__")
     if original is None or cls in _originals:
         return
@@ -276,7 +287,7 @@ def _wrap(cls: type, group, dtype, remote) -> None:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if _active and _init_owner(type(self)) is cls:  # the most-derived __init__ has finished
-            _partition_module(self, group, dtype, recurse=False, remote=remote)
+            _partition_module(self, group, dtype, recurse=False, remote=remote, zeropp=zeropp)
 
     _originals[cls] = original
     cls.__init__ = __init__
@@ -290,14 +301,14 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
-def _install(group, dtype, remote) -> None:
+def _install(group, dtype, remote, zeropp=None) -> None:
     global _remote
     _remote = remote
     for cls in [nn.Module, *_subclasses(nn.Module)]:
-        _wrap(cls, group, dtype, remote)
+        _wrap(cls, group, dtype, remote, zeropp)
 
     def init_subclass(cls, **kwargs):
-        _wrap(cls, group, dtype, remote)
+        _wrap(cls, group, dtype, remote, zeropp)
 
     _originals["__init_subclass__"] = nn.Module.__dict__.get("__init_subclass__")
     nn.Module.__init_subclass__ = classmethod(init_subclass)

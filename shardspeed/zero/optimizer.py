@@ -456,11 +456,11 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
                  model_persistence_threshold: int, prefetch_numel: int, max_live_numel: int,
                  max_reuse_distance: int, plan, scaler, gradient_clipping, group=None, offload=None,
                  param_tier=None, owned: set[int] | None = None, allgather_sequential: bool = False,
-                 fetch_with_all_reduce: bool = False, log_order_changes: bool = False,
+                 fetch_with_all_reduce: bool = False, log_order_changes: bool = False, zeropp=None,
                  **reduce_options) -> ZeroOptimizer:  # fmt: skip
     """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm,
     average. `owned`: ids of the module parameters this wrapper partitions (None: all; MoE: one reduction
-    domain)."""
+    domain). `zeropp`: ZeRO++'s gather paths and gradient reduction (zero/zeropp/), or None."""
     names = {p: n for n, p in module.named_parameters()}
     units = build_units(
         module,
@@ -475,6 +475,7 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         model_persistence_threshold=model_persistence_threshold,
         group=group,
         tier=param_tier,
+        weights=zeropp.weights if zeropp is not None else None,
     )
     coordinator = Stage3Coordinator(
         module,
@@ -492,6 +493,7 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         comm_dtype=plan.comm_dtype,
         group=group,
         on_grads_staged=coordinator.on_unit_grads_staged,
+        quantized_reduce=zeropp.gradients if zeropp is not None else None,
         **reduce_options,
     )
     wrapper = ZeroOptimizer(

@@ -23,6 +23,10 @@ re-gather before backward refills the very storage the saved views read.
 zeroed buffer; the sum is every shard in place), and `stage3_allgather_sequential` one collective per
 parameter (an all-reduce of that parameter's range, so no collective ever spans two parameters). All three
 give the same values bit for bit (a sum of one value and zeros is that value).
+
+ZeRO++ (zero/zeropp/weights.py) changes how a gather for forward or backward fills the buffer — int8
+records (qwZ), a node-local secondary shard (hpZ) — while gathers that must be exact stay plain:
+see [Note: ZeRO++ gathers].
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class ParamUnit(FlatParamBucket):
     """A flat bucket whose full buffer exists only while gathered; the shard has its own storage."""
 
     def __init__(self, module: nn.Module, params, names, group_index, world, rank, group, persistent: bool,
-                 live: LiveNumel | None = None, tier=None):  # fmt: skip
+                 live: LiveNumel | None = None, tier=None, weights=None):  # fmt: skip
         super().__init__(params, names, group_index, world, rank)
         self.live = live if live is not None else LiveNumel()
         self._counted = False  # this unit's full buffer is included in live.numel
@@ -59,6 +63,10 @@ class ParamUnit(FlatParamBucket):
         self.refs = 0
         self.awaiting_grads = False
         self.on_modified = None  # set by the optimizer wrapper: refresh its fp32 master from the shard
+        self.weights = weights  # ZeRO++'s gather paths (WeightGather), or None: plain all-gathers only
+        self.approximate = False  # the gathered values are quantized ones, not the exact shards
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's slice of the full parameters
+        self.secondary_approximate = False
         for p, shape in zip(params, self.shapes):
             p._shardspeed_unit = self  # found by zero.GatheredParameters
             # DeepSpeed's attributes (zero/init.py): Transformers and Lightning count parameters with
@@ -76,8 +84,12 @@ class ParamUnit(FlatParamBucket):
         if tier is not None and not persistent:
             self._home = tier.home_for(self._shard, f"{names[0]}.{group_index}")
             self._shard = None
+        elif weights is not None and not persistent:  # zero_quantized_nontrainable_weights
+            self._home = weights.home_for_frozen(self, self._shard)
+            self._shard = None if self._home is not None else self._shard
         if not persistent:
             self.free()
+            self.secondary = None  # hpZ keeps what a gather brought, not the values the unit was built from
 
     @property
     def shard(self) -> torch.Tensor:
@@ -85,6 +97,7 @@ class ParamUnit(FlatParamBucket):
         (optimizer step, checkpoint load, GatheredParameters), so it is written home at the next release."""
         if self._home is not None:
             self._dirty = True
+        self.secondary = None  # hpZ: a copy of the old values (every rank writes its shard together)
         return self.read_shard()
 
     def read_shard(self) -> torch.Tensor:
@@ -92,6 +105,11 @@ class ParamUnit(FlatParamBucket):
         if self._shard is None:
             self._shard = self._home.load()
         return self._shard
+
+    @property
+    def home(self):
+        """Where the shard lives between uses (parameter offload, quantized frozen weights), or None."""
+        return self._home
 
     @property
     def offloaded_to_disk(self) -> bool:
@@ -148,9 +166,11 @@ class ParamUnit(FlatParamBucket):
     def gathered(self) -> bool:
         return self.flat is not None
 
-    def gather(self, async_op: bool = False) -> None:
+    def gather(self, async_op: bool = False, for_training: bool = False) -> None:
         """Start (or finish) the all-gather of every rank's shard into the unit's full buffer (its storage
-        re-allocated: [Note: one storage per unit])."""
+        re-allocated: [Note: one storage per unit]). `for_training`: a gather for the model's forward or
+        backward, which ZeRO++ may serve quantized or from the node; other gathers get the exact values
+        (an idle unit holding quantized ones is gathered again)."""
         if self.flat is None:
             self.flat = self._full
             self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
@@ -158,9 +178,18 @@ class ParamUnit(FlatParamBucket):
             if not self.persistent:
                 self.live.numel += self.padded_numel
                 self._counted = True
-            self._work = self._launch_gather()
+            self._start_gather(for_training)
+        elif self.approximate and not for_training and self.refs == 0 and not self.awaiting_grads:
+            self.wait()
+            self._start_gather(for_training=False)
         if not async_op:
             self.wait()
+
+    def _start_gather(self, for_training: bool) -> None:
+        if self.weights is None:
+            self._work = self._launch_gather()
+            return
+        self._work, self.approximate = self.weights.start(self, for_training and not self.persistent)
 
     def _launch_gather(self):
         """The collective(s) filling the full buffer from every rank's shard [Note: how a unit is gathered]."""
@@ -202,6 +231,9 @@ class ParamUnit(FlatParamBucket):
         if self.persistent:
             return
         self.wait()
+        if self.weights is not None:
+            self.weights.keep_secondary(self)  # hpZ: before the buffer goes
+        self.approximate = False
         for p in self.params:
             p.data = self._empty
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
@@ -219,6 +251,8 @@ class ParamUnit(FlatParamBucket):
             self.gather()
         else:
             self.free()
+            if self.group_index is not None:
+                self.secondary = None  # the step changed the shards (frozen units keep theirs)
 
 
 def plan_units(root: nn.Module, unit_numel: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:

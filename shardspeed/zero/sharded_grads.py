@@ -10,6 +10,8 @@ micro-step, as in DeepSpeed. `use_reduce_scatter=False` (DeepSpeed's `reduce_sca
 the whole staging buffer and keeps this rank's slice of it. `average=False` (DeepSpeed's
 `gradient_allreduce_op: "sum"`) keeps the sum over ranks instead of the mean. A bucket is communicated in
 its parameters' `comm_dtype` mark where they carry one (`torch_autocast`), else in `comm_dtype`.
+ZeRO++'s qgZ replaces the reduce-scatter with `quantized_reduce` (zeropp/gradients.py), which leaves
+the same sum in the same place.
 
 Under NVMe optimizer offload the accumulator is not in memory either: `shard_sink` (the optimizer swapper)
 adds each reduced slice to the gradient kept in that sub-group's swap file, so the gradients of a model
@@ -77,6 +79,7 @@ class ShardedGradReducer:
         use_reduce_scatter: bool = True,
         overlap_comm: bool = True,
         average: bool = True,
+        quantized_reduce=None,
     ):
         self.group = group
         # stage 3: called once a bucket's gradients are all in its staging buffer, so its full parameters
@@ -92,6 +95,7 @@ class ShardedGradReducer:
         self.world_size = dist.get_world_size(group)
         self.comm_dtype = comm_dtype
         self.use_reduce_scatter = use_reduce_scatter
+        self.quantized_reduce = quantized_reduce  # qgZ: `quantized_reduce(own, staging, bucket)` -> work
         self.max_in_flight = MAX_IN_FLIGHT if overlap_comm else 0
         self.average = average
         self.prescale = prescale_gradients and average
@@ -161,7 +165,9 @@ class ShardedGradReducer:
             slot.staging.mul_(1.0 / self.predivide)
         rank = dist.get_rank(self.group)
         own = slot.staging[rank * slot.bucket.shard_numel : (rank + 1) * slot.bucket.shard_numel]
-        if self.use_reduce_scatter:
+        if self.quantized_reduce is not None:
+            work = self.quantized_reduce(own, slot.staging, slot.bucket)
+        elif self.use_reduce_scatter:
             work = reduce_scatter_flat(own, slot.staging, group=self.group, async_op=True)
         else:
             work = all_reduce(slot.staging, group=self.group, async_op=True)

@@ -154,7 +154,7 @@ class Stage3Coordinator:
         def pre_backward(grad):
             for unit in units:
                 if not unit.gathered or unit._work is not None:
-                    unit.gather()
+                    unit.gather(for_training=True)
                 if unit.group_index is not None:  # frozen units wait for end_of_backward instead
                     unit.awaiting_grads = True
             self._prefetch_after(units[0], step=-1)
@@ -198,7 +198,7 @@ class Stage3Coordinator:
         self._free_lingering(keep=unit)
         if not unit.gathered and not unit.persistent:
             self._make_room(unit.padded_numel)
-        unit.gather()
+        unit.gather(for_training=True)
         unit.refs += 1
         if id(unit) not in self._seen:
             self._seen.add(id(unit))
@@ -232,7 +232,7 @@ class Stage3Coordinator:
             if not upcoming.gathered:
                 if self.live.numel + upcoming.padded_numel > self.max_live_numel:
                     return
-                upcoming.gather(async_op=True)
+                upcoming.gather(async_op=True, for_training=True)
 
     # -- engine-facing -------------------------------------------------------------------------------------
 
@@ -321,12 +321,13 @@ class _GatheringParameters(dict):
 def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, persistence_threshold: int,
                 model_persistence_threshold: int, group, tier=None, owned: set[int] | None = None,
                 split_by=None, allgather_sequential: bool = False,
-                fetch_with_all_reduce: bool = False) -> list[ParamUnit]:  # fmt: skip
+                fetch_with_all_reduce: bool = False, weights=None) -> list[ParamUnit]:  # fmt: skip
     """One ParamUnit per (unit root, optimizer group, value of `split_by(param)` such as the communication
     dtype); parameters outside every group form frozen units.
 
     A unit of at most `persistence_threshold` elements stays gathered, while the persistent units' total
     stays within `model_persistence_threshold` (DeepSpeed's `stage3_model_persistence_threshold`).
+    `weights`: ZeRO++'s gather paths (zeropp/weights.py), or None.
     """
     import torch.distributed as dist
 
@@ -349,7 +350,9 @@ def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, p
             )
             persistent_numel += numel if persistent else 0
             unit_names = [names[p] for p in members]
-            unit = ParamUnit(root, members, unit_names, gi, world, rank, group, persistent, live, tier)
+            unit = ParamUnit(
+                root, members, unit_names, gi, world, rank, group, persistent, live, tier, weights
+            )
             unit.allgather_sequential, unit.fetch_with_all_reduce = (
                 allgather_sequential,
                 fetch_with_all_reduce,

@@ -37,6 +37,8 @@ DEPRECATED = "config/test_config_compat.py::test_deprecated_form_is_mapped_with_
 MONITORS = "test_observability.py::test_two_rank_run_writes_every_monitor_profiler_and_comms_file"
 
 # key path (or a block: its keys, unless refused) -> the test that shows the key taking effect
+ZEROPP_BYTES = "test_zeropp.py::test_bytes_per_step_within_and_across_nodes_match_the_formulas"
+
 HONOURED_BY = {
     "train_batch_size": "config/test_config_batch.py::test_inference_table",
     "train_micro_batch_size_per_gpu": "config/test_config_batch.py::test_inference_table",
@@ -126,6 +128,10 @@ HONOURED_BY = {
     "zero_optimization.cpu_offload": DEPRECATED,
     "zero_optimization.cpu_offload_param": DEPRECATED,
     "zero_optimization.cpu_offload_use_pin_memory": "config/test_config_compat.py::test_cpu_offload_use_pin_memory_sets_pin_memory",
+    "zero_optimization.zero_quantized_weights": ZEROPP_BYTES,
+    "zero_optimization.zero_hpz_partition_size": ZEROPP_BYTES,
+    "zero_optimization.zero_quantized_gradients": ZEROPP_BYTES,
+    "zero_optimization.zero_quantized_nontrainable_weights": "test_zeropp_combos.py::test_frozen_weights_are_stored_as_int8_blocks_of_each_shard",
 }
 
 # DeepSpeed parses these and does nothing with them; so does shardspeed.
