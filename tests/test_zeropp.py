@@ -288,6 +288,9 @@ def _refusals() -> dict:
         "loco": message(
             {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8}}
         ),
+        "qwZ sequential gathers": message(
+            {"stage": 3, "zero_quantized_weights": True, "stage3_allgather_sequential": True}
+        ),
         "frozen int8 offload_param": message(
             {"stage": 3, "zero_quantized_nontrainable_weights": True, "offload_param": {"device": "cpu"}}
         ),
@@ -393,6 +396,10 @@ def test_unsupported_combinations_are_refused_by_key(four_ranks):
         "zero_hpz_partition_size: not supported together with zero_optimization.offload_param"
         in (refusals["hpz offload_param"])
     )
+    assert refusals["qwZ sequential gathers"].startswith(
+        "zero_optimization.zero_quantized_weights: decides how stage 3 gathers parameters"
+    )
+    assert "stage3_allgather_sequential true" in refusals["qwZ sequential gathers"]
     assert refusals["loco"].startswith("zero_optimization.zeropp_loco_param: LoCo-ZeRO++ was removed")
     assert refusals["frozen int8 offload_param"].startswith(
         "zero_optimization.zero_quantized_nontrainable_weights: not supported together with "

@@ -135,3 +135,14 @@ def _check_combination(zero_cfg, on: list[str], *, stage: int, moe: bool, world:
             f"{_KEY}zero_quantized_gradients: replaces the gradient reduce-scatter, so it cannot be combined "
             f"with {_KEY}reduce_scatter false"
         )
+    gathers = [k for k in ("zero_quantized_weights", "zero_hpz_partition_size") if k in on]
+    fetch_modes = [
+        k
+        for k in ("stage3_allgather_sequential", "stage3_use_all_reduce_for_fetch_params")
+        if getattr(zero_cfg, k)
+    ]
+    if gathers and fetch_modes:
+        raise ConfigError(
+            f"{_KEY}{gathers[0]}: decides how stage 3 gathers parameters, so it cannot be combined with "
+            f"{_KEY}{fetch_modes[0]} true (remove one of the two)"
+        )
