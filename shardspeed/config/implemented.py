@@ -79,6 +79,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "pipeline",
         "sequence_parallel_size",  # Ulysses: sequence groups from the topology (runtime/layout.py)
         "tensor_parallel",
+        "compression_training",  # shardspeed/compression; the engine steps its scheduler
     }
 )
 

@@ -28,6 +28,7 @@ from .blocks import (
     TorchAutocastConfig,
 )
 from .build import Key
+from .compression import CompressionTrainingConfig
 from .features import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -188,9 +189,9 @@ class ShardspeedConfig:
     """AutoTP training (tensor parallelism)."""
     sequence_parallel_size: PositiveInt = 1
     """Sequence-parallel degree (Ulysses). Default 1."""
+    compression_training: CompressionTrainingConfig = field(default_factory=CompressionTrainingConfig)
+    """Compression: weight/activation quantization, pruning, layer reduction (DeepSpeed 0.18.9's keys)."""
     # Blocks with large, open-ended schemas: accepted as objects and passed through unvalidated.
-    compression_training: FreeForm = None
-    """Compression (quantization/pruning) schedules."""
     quantize_training: FreeForm = None
     """MoQ quantize-aware training."""
     expert_parallel: FreeForm = None
