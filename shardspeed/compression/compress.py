@@ -67,7 +67,10 @@ def _merged_params(block: Any, group: Any) -> dict:
     """The group's params with the technique's shared parameters on top (DeepSpeed's merge order); shared
     keys left unset (snip_momentum's) do not hide the group's."""
     shared = {k: v for k, v in dataclasses.asdict(block.shared_parameters).items() if v is not None}
-    return {**dataclasses.asdict(group.params), **shared}
+    merged = {**dataclasses.asdict(group.params), **shared}
+    if getattr(group.params, "quantize_groups", None) is not None:  # a group's own count (beyond 0.18.9)
+        merged["quantize_groups"] = group.params.quantize_groups
+    return merged
 
 
 def get_compress_methods(model, compress_methods, mpu=None, require_matches: bool = True):
@@ -142,7 +145,7 @@ def _check_quantized(model: nn.Module, items) -> None:
             groups = params[C.WEIGHT_QUANTIZE_GROUPS]
             if not isinstance(recursive_getattr(model, name), nn.Embedding) and weight.numel() % groups:
                 raise ValueError(
-                    f"{KEY}.weight_quantization.shared_parameters.quantize_groups: {groups} does not divide the "
+                    f"{KEY}.weight_quantization quantize_groups: {groups} does not divide the "
                     f"{weight.numel()} weights of {name}"
                 )
 

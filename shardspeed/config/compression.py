@@ -95,6 +95,9 @@ class WeightQuantizationParams:
     """Bits at the end: 1 = binary, 2 = ternary (XTC), >= 3 = integer grid. Required."""
     quantization_period: NonNegInt = 1
     """Steps before the first bit is dropped; the period doubles after each drop. Default 1."""
+    quantize_groups: PositiveInt | None = None
+    """This group's quantize_groups, over the shared one (beyond 0.18.9, where the shared value always wins:
+    modules of different sizes need different counts for equal runs). Default null."""
 
     def validate(self, path: str) -> None:
         if self.start_bits < self.target_bits:
