@@ -40,6 +40,7 @@ from transformers import LlamaForCausalLM
 
 from shardspeed.compression import distillation_loss, export_packed
 from shardspeed.compression.compress import init_compression, redundancy_clean
+from shardspeed.mii.pipeline import pipeline
 from shardspeed.mii.tokenizer import byte_tokenizer
 
 
@@ -62,17 +63,18 @@ def eval_loss(model, held_out: torch.Tensor, batch: int = 16) -> float:
 def train_teacher(path: Path, dataset, args) -> None:
     """train_to_serve.py's run, one process: the README's model, saved in Hugging Face format."""
     torch.manual_seed(0)
-    model = tiny_llama(args.dim, args.layers, args.seq)
+    device = getattr(args, "device", torch.device("cpu"))
+    model = tiny_llama(args.dim, args.layers, args.seq).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     loader = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True, drop_last=True)
     batches = iter(deepspeed.RepeatingLoader(loader))
     for _ in tqdm(range(args.teacher_steps), desc="teacher", unit="step"):
-        batch = next(batches)
+        batch = next(batches).to(device)
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    model.save_pretrained(path)
+    model.cpu().save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
 
 
@@ -93,7 +95,7 @@ def distill(engine, teacher, dataset, args) -> None:
     teacher.eval()
     progress = tqdm(range(args.steps), desc="compressing", unit="step")
     for _ in progress:
-        batch = next(batches)
+        batch = next(batches).to(engine.device)
         with torch.no_grad():
             soft_targets = teacher(input_ids=batch).logits
         logits = engine(input_ids=batch).logits
@@ -145,7 +147,7 @@ def main() -> None:
     student.config.save_pretrained(out)
     byte_tokenizer().save_pretrained(out)
 
-    pipe = deepspeed.mii.pipeline(str(out))  # what shardspeed-serve loads
+    pipe = pipeline(str(out))  # what shardspeed-serve loads
     served = eval_loss(pipe.engine.module, held_out)
     teacher_loss = eval_loss(teacher, held_out)
     teacher_bytes = sum((teacher_dir / name).stat().st_size for name in ("model.safetensors",))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cleaning import CodeTensors
+from .compressible import Compressible
 
 __all__ = ["PackedConv2d", "PackedEmbedding", "PackedLinear", "PackedWeight", "pack_compressed"]
 
@@ -131,17 +132,54 @@ class PackedWeight(nn.Module):
         shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * width
         return (padded.view(rows, -1, per_byte) << shifts).sum(dim=-1).to(torch.uint8)
 
+    def _stored(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored codes one per element: int8 as is, unsigned ones unpacked to uint8 ([rows, cols])."""
+        qweight = self.qweight if rows is None else self.qweight[rows]
+        if qweight.dtype == torch.int8 or self.storage_bits == 8:
+            return qweight
+        width, mask = self.storage_bits, (1 << self.storage_bits) - 1
+        parts = [(qweight >> (i * width)) & mask for i in range(8 // width)]  # lowest bits first
+        cols = self.shape.numel() // self.shape[0]
+        return torch.stack(parts, dim=-1).reshape(*qweight.shape[:-1], -1)[..., :cols]
+
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The signed integer codes as a [rows, cols] int tensor (of the given rows only, if given)."""
-        qweight = self.qweight if rows is None else self.qweight[rows]
-        if qweight.dtype == torch.int8:
-            return qweight
-        width, per_byte = self.storage_bits, 8 // self.storage_bits
-        shifts = torch.arange(per_byte, device=qweight.device, dtype=torch.uint8) * width
-        unpacked = (qweight.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
-        cols = self.shape.numel() // self.shape[0]
-        unsigned = unpacked.reshape(*qweight.shape[:-1], -1)[..., :cols].to(torch.int16)
+        stored = self._stored(rows)
+        if stored.dtype == torch.int8:
+            return stored
+        unsigned = stored.to(torch.int16)
         return unsigned * 2 - 1 if self.binary else unsigned - self._zero_code()
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` without building the scaled weight: the stored codes (as floats) multiply ``x``,
+        the group scales and offsets apply to the products. Same values as ``F.linear(x, dequantize())``
+        up to float rounding; fp16/bf16 inputs take that dequantizing path (code sums could overflow fp16)."""
+        if x.dtype != torch.float32 or len(self.shape) != 2:
+            return F.linear(x, self.dequantize(x.dtype))
+        if self.qweight.dtype == torch.int8 and self.blocks == 1:  # int8, a scale per row: the decode hot path
+            return F.linear(x, self.qweight.to(torch.float32)) * self.scales.view(-1)
+        stored = self._stored()
+        zero = 0 if stored.dtype == torch.int8 or self.binary else self._zero_code()
+        stored = stored.to(x.dtype)
+        rows, cols = self.shape
+        xs = x.reshape(*x.shape[:-1], self.blocks, cols // self.blocks)
+        if self.blocks == 1:
+            y = F.linear(x, stored).unsqueeze(-1)  # [..., rows, 1]
+        else:
+            y = torch.einsum("...bk,nbk->...nb", xs, stored.view(rows, self.blocks, -1))
+        sums = None  # [..., 1, blocks]: the input's sum over each run, which offsets and zero codes multiply
+        if self.binary or zero or self.offsets is not None:
+            sums = xs.sum(-1).unsqueeze(-2)
+        if self.binary:  # codes 2u - 1
+            y = 2 * y - sums
+        elif zero:
+            y = y - zero * sums
+        if self.blocks == 1 and self.offsets is None:  # one scale per row: the common int8/int4 case
+            return y.squeeze(-1) * self.scales.view(-1)
+        y = y * self.scales
+        if self.offsets is not None:
+            y = y + self.offsets * sums
+        return y.sum(-1) if self.blocks > 1 else y.squeeze(-1)
 
     def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or some of its rows) in ``dtype``: fp32 ``code * scale + offset``, then cast."""
@@ -177,8 +215,6 @@ class _PackedLayer(nn.Module):
         return self.packed.dequantize(self.compute_dtype)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
-        from .compressible import Compressible
-
         return Compressible.quantize_input(self, x)
 
     _input_reduce = staticmethod(lambda tensor, op: tensor)
@@ -196,14 +232,60 @@ class PackedLinear(_PackedLayer):
         self.in_features, self.out_features = packed.shape[1], packed.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._input(x)
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.linear(x, self.packed.dequantize(self.compute_dtype).to(x.dtype), bias)
+        if self.activation_quantization_enabled:
+            x = self._input(x)
+        out = self.packed.linear(x)
+        if self.bias is None:
+            return out
+        return out + (self.bias if self.bias.dtype == out.dtype else self.bias.to(out.dtype))
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+    def _layout(self) -> tuple:
+        p = self.packed
+        return (p.bits, p.storage_bits, p.blocks, p.signed, p.binary, p.asymmetric, self.in_features,
+                self.bias is not None, self.compute_dtype, self.activation_quantization is None)  # fmt: skip
+
+    @classmethod
+    @torch.no_grad()
+    def fuse(cls, modules) -> FusedPacked | None:
+        """One packed weight for linears that read the same input (q/k/v, gate/up): their rows stacked, each
+        module's buffers then views of it (inference/fusion.py calls this); None if their layouts differ."""
+        if len({m._layout() for m in modules}) != 1 or not modules[0]._layout()[-1]:
+            return None
+        if any(m.packed.qweight.device.type == "meta" for m in modules):
+            return None
+        first = modules[0].packed
+        rows = [m.out_features for m in modules]
+        fused = PackedWeight((sum(rows), first.shape[1]), first.bits, first.blocks, signed=first.signed,
+                             binary=first.binary, asymmetric=first.asymmetric, device=first.qweight.device)  # fmt: skip
+        for name in ("qweight", "scales", "offsets"):
+            parts = [getattr(m.packed, name) for m in modules]
+            if parts[0] is None:
+                continue
+            torch.cat(parts, out=getattr(fused, name))
+            offset = 0
+            for module, count in zip(modules, rows):
+                module.packed._buffers[name] = getattr(fused, name)[offset : offset + count]
+                offset += count
+        bias = torch.cat([m.bias for m in modules]) if modules[0].bias is not None else None
+        return FusedPacked(fused, bias, rows)
+
+
+class FusedPacked:
+    """Several packed linears as one call; returns their outputs, split."""
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, sizes: list[int]):
+        self.packed, self.bias, self.sizes = packed, bias, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.packed.linear(x)
+        if self.bias is not None:
+            out = out + (self.bias if self.bias.dtype == out.dtype else self.bias.to(out.dtype))
+        return out.split(self.sizes, dim=-1)
 
 
 class PackedEmbedding(_PackedLayer):
