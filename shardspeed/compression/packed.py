@@ -156,7 +156,9 @@ class PackedWeight(nn.Module):
         up to float rounding; fp16/bf16 inputs take that dequantizing path (code sums could overflow fp16)."""
         if x.dtype != torch.float32 or len(self.shape) != 2:
             return F.linear(x, self.dequantize(x.dtype))
-        if self.qweight.dtype == torch.int8 and self.blocks == 1:  # int8, a scale per row: the decode hot path
+        if (
+            self.qweight.dtype == torch.int8 and self.blocks == 1
+        ):  # int8, a scale per row: the decode hot path
             return F.linear(x, self.qweight.to(torch.float32)) * self.scales.view(-1)
         stored = self._stored()
         zero = 0 if stored.dtype == torch.int8 or self.binary else self._zero_code()
