@@ -144,8 +144,9 @@ def load_packed_state(model: nn.Module, path, strict: bool = True) -> nn.Module:
     from safetensors.torch import load_file
 
     layers, aliases = packed_layers(path)
+    device = next(iter(model.parameters()), torch.empty(0)).device
     make_packed_shells(model, layers)
-    state = load_file(os.fspath(path))
+    state = load_file(os.fspath(path), device=str(device if device.type != "meta" else "cpu"))
     for alias, source in aliases.items():
         state[alias] = state[source]
     model.load_state_dict(state, strict=strict, assign=True)

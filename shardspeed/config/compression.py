@@ -127,6 +127,10 @@ class SparsePruningShared:
     excluded_modules: list[str] | None = None
     """snip_momentum only. Default null."""
 
+    def __post_init__(self) -> None:
+        if self.schedule_offset_end is None:  # also for the default block, which validate() never sees
+            self.schedule_offset_end = self.schedule_offset
+
     def validate(self, path: str) -> None:
         if self.method == "snip_momentum":
             raise ConfigError(
@@ -140,8 +144,6 @@ class SparsePruningShared:
                     f"{join(path, key)}: only method snip_momentum reads it (got {show(getattr(self, key))}); "
                     f"with l1/topk give dense_ratio in each different_groups entry's params"
                 )
-        if self.schedule_offset_end is None:
-            self.schedule_offset_end = self.schedule_offset
         if self.schedule_offset_end < self.schedule_offset:
             raise ConfigError(
                 f"{join(path, 'schedule_offset_end')}: {self.schedule_offset_end} is before schedule_offset "
