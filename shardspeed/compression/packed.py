@@ -154,12 +154,12 @@ class PackedWeight(nn.Module):
         """``x @ weight.T`` without building the scaled weight: the stored codes (as floats) multiply ``x``,
         the group scales and offsets apply to the products. Same values as ``F.linear(x, dequantize())``
         up to float rounding; fp16/bf16 inputs take that dequantizing path (code sums could overflow fp16)."""
+        buffers = self._buffers
+        if x.dtype == torch.float32 and self.blocks == 1 and buffers["qweight"].dtype == torch.int8:
+            # int8 with a scale per row, the decode hot path: one conversion, one matmul, one multiply
+            return F.linear(x, buffers["qweight"].to(torch.float32)) * buffers["scales"].view(-1)
         if x.dtype != torch.float32 or len(self.shape) != 2:
             return F.linear(x, self.dequantize(x.dtype))
-        if (
-            self.qweight.dtype == torch.int8 and self.blocks == 1
-        ):  # int8, a scale per row: the decode hot path
-            return F.linear(x, self.qweight.to(torch.float32)) * self.scales.view(-1)
         stored = self._stored()
         zero = 0 if stored.dtype == torch.int8 or self.binary else self._zero_code()
         stored = stored.to(x.dtype)
@@ -236,7 +236,7 @@ class PackedLinear(_PackedLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation_quantization_enabled:
             x = self._input(x)
-        out = self.packed.linear(x)
+        out = self._modules["packed"].linear(x)
         if self.bias is None:
             return out
         return out + (self.bias if self.bias.dtype == out.dtype else self.bias.to(out.dtype))
@@ -282,9 +282,18 @@ class FusedPacked:
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, sizes: list[int]):
         self.packed, self.bias, self.sizes = packed, bias, sizes
+        # int8 with a scale per row: the tensors held directly, so a decode step skips the module look-ups
+        self._int8 = (
+            (packed.qweight, packed.scales.view(-1))
+            if packed.qweight.dtype == torch.int8 and packed.blocks == 1
+            else None
+        )
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = self.packed.linear(x)
+        if self._int8 is not None and x.dtype == torch.float32:
+            out = F.linear(x, self._int8[0].to(torch.float32)) * self._int8[1]
+        else:
+            out = self.packed.linear(x)
         if self.bias is not None:
             out = out + (self.bias if self.bias.dtype == out.dtype else self.bias.to(out.dtype))
         return out.split(self.sizes, dim=-1)
