@@ -171,17 +171,18 @@ def _write_tensor_bytes(f, tensor: torch.Tensor) -> None:
         f.write(memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B"))
 
 
-def save_safetensors(state: dict, path) -> None:
+def save_safetensors(state: dict, path, metadata: dict[str, str] | None = None) -> None:
     """Write `state` (name -> tensor) as one safetensors file without NumPy, which `safetensors.torch.save_file`
-    needs and a clean install lacks. Tensors keep their dtype; tied aliases are written as separate entries."""
+    needs and a clean install lacks. Tensors keep their dtype; tied aliases are written as separate entries.
+    `metadata`: extra string entries of the header's `__metadata__`."""
     entries = [
         _Entry(key, value.shape, value.dtype, lambda value=value: value.detach())
         for key, value in state.items()
     ]
-    _write_safetensors(Path(path), entries)
+    _write_safetensors(Path(path), entries, metadata)
 
 
-def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
+def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, str] | None = None) -> None:
     """A safetensors file written one tensor at a time.
 
     Format: an 8-byte little-endian header length, a JSON header of {key: dtype, shape, data_offsets} padded
@@ -189,7 +190,7 @@ def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
     element size so every tensor starts aligned to its own size, as the reference writer does.
     """
     ordered = sorted(entries, key=lambda e: -e.dtype.itemsize)
-    header: dict = {"__metadata__": {"format": "pt"}}
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for entry in ordered:
         header[entry.key] = {

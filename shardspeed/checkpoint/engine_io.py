@@ -44,7 +44,7 @@ ENGINE_KEYS = {
     "module", "buffer_names", "optimizer", "lr_scheduler", "data_sampler", "global_steps", "global_samples",
     "skipped_steps", "micro_steps", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "shardspeed_version", "zero_stage", "zero_partitions", "param_shapes", "frozen_param_names", "shared_params",
-    "num_experts", "moe_layout", "mp_rank", "tp_partitions",
+    "num_experts", "moe_layout", "mp_rank", "tp_partitions", "compression_scheduler",
 }  # fmt: skip
 
 
@@ -162,6 +162,7 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
         # Stage 0 keeps the (replicated) optimizer state here; ZeRO stages write one file per rank.
         "optimizer": engine.optimizer.state_dict() if _replicated_optimizer(engine) else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "compression_scheduler": engine.compression.state_dict() if hasattr(engine, "compression") else None,
         "data_sampler": engine.training_dataloader.state_dict() if engine.training_dataloader else None,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
@@ -329,6 +330,8 @@ def _load_progress(engine, state: dict, load_scheduler_states: bool, realign: bo
     """Scheduler, data sampler and counters."""
     if load_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if load_scheduler_states and hasattr(engine, "compression"):
+        engine.compression.load_state_dict(state.get("compression_scheduler"))
     if engine.training_dataloader is not None and state.get("data_sampler"):
         engine.training_dataloader.load_state_dict(state["data_sampler"])
     engine.global_steps = state["global_steps"]

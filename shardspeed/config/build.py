@@ -225,9 +225,14 @@ def coerce(tp: Any, value: Any, path: str, ctx: BuildContext) -> Any:
         (item_type,) = get_args(tp)
         return [coerce(item_type, item, f"{path}[{i}]", ctx) for i, item in enumerate(value)]
     if origin is dict or tp is dict:
-        # Free-form object (optimizer.params, ...): passed through; its consumer validates it.
         if not isinstance(value, dict):
             raise _type_error(tp, value, path)
+        item_type = get_args(tp)[1] if get_args(tp) else Any
+        if dataclasses.is_dataclass(item_type):  # user-named entries of one block type (compression groups)
+            return {
+                key: build_block(item_type, item, join(path, str(key)), ctx) for key, item in value.items()
+            }
+        # Free-form object (optimizer.params, ...): passed through; its consumer validates it.
         return copy.deepcopy(value)
     if tp is Any:
         return copy.deepcopy(value)

@@ -136,6 +136,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "tensor_parallel.tp",
         "tensor_parallel.replace_with_kernel_inject",  # true is refused by the block itself
         "tensor_parallel.preset_model",  # ditto
+        "compression_training",  # shardspeed/compression; the engine steps its scheduler
     }
 )
 

@@ -28,6 +28,7 @@ from .blocks import (
     TorchAutocastConfig,
 )
 from .build import Key
+from .compression import CompressionTrainingConfig
 from .features import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -210,8 +211,8 @@ class ShardspeedConfig:
     """DeepCompile options (``engine.compile()`` itself needs none)."""
     datastates_ckpt: Annotated[Any, Key(normalize=_false_means_off)] = None
     """DataStates asynchronous checkpointing: any value but null or false turns it on. Default null."""
-    compression_training: FreeForm = None
-    """Compression (quantization/pruning) schedules."""
+    compression_training: CompressionTrainingConfig = field(default_factory=CompressionTrainingConfig)
+    """Compression: weight/activation quantization, pruning, layer reduction (DeepSpeed 0.18.9's keys)."""
 
     # ---- set by the loader, not JSON keys ----
     raw: Annotated[dict[str, Any], Key(internal=True)] = field(default_factory=dict, repr=False)

@@ -23,7 +23,7 @@ from shardspeed.config.inference import InferenceConfig
 
 from .decoder import make_decoder
 from .generation import GenerationSettings, generate_tokens
-from .loading import checkpoint_files, load_weights
+from .loading import checkpoint_files, load_weights, prepare_packed
 from .quantize import quantize_linears_int8
 
 __all__ = ["InferenceEngine"]
@@ -146,7 +146,8 @@ class InferenceEngine(nn.Module):
         source = cfg.checkpoint if cfg.checkpoint is not None else cfg.checkpoint_config.checkpoint_dir
         base = cfg.base_dir or cfg.checkpoint_config.base_dir or ""
         files = checkpoint_files(source, base)
-        load_weights(model, files, rank=self.tp_rank, dtype=dtype, device=device)
+        aliases = prepare_packed(model, files, self._config.tp_size)  # compressed checkpoints: packed layers
+        load_weights(model, files, rank=self.tp_rank, dtype=dtype, device=device, aliases=aliases)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         _materialize_meta_buffers(model)

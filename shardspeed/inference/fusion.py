@@ -59,6 +59,11 @@ def _as_view(module: nn.Module, name: str, view: torch.Tensor) -> None:
 @torch.no_grad()
 def fuse_linears(modules) -> FusedLinear | None:
     """A ``FusedLinear`` over ``modules`` (whose weights become views into it), or None if they do not fuse."""
+    fuse_own = getattr(
+        type(modules[0]), "fuse", None
+    )  # layers with their own fused form (packed, compressed)
+    if fuse_own is not None and all(type(m) is type(modules[0]) for m in modules):
+        return fuse_own(modules)
     if not _fusable(modules):
         return None
     sizes = [m.weight.shape[0] for m in modules]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["checkpoint_files", "load_weights"]
+__all__ = ["checkpoint_files", "load_weights", "prepare_packed"]
 
 
 def checkpoint_files(checkpoint, base_dir: str = "") -> list[Path]:
@@ -65,22 +65,58 @@ def _local_part(name: str, full: torch.Tensor, target: torch.Tensor, rank: int) 
     return full
 
 
-def load_weights(model: nn.Module, files: list[Path], *, rank: int, dtype: torch.dtype, device) -> list[str]:
-    """Fill ``model``'s parameters and persistent buffers from ``files``; returns the names never loaded."""
+def prepare_packed(model: nn.Module, files: list[Path], tp_size: int = 1) -> dict[str, str]:
+    """A packed compressed checkpoint (shardspeed.compression's ``export_packed``): swap the model's layers
+    for packed ones of the recorded layouts so its codes and scales load by name. Returns its aliases."""
+    from shardspeed.compression.export import is_packed_file, make_packed_shells, packed_layers
+
+    packed = [path for path in files if is_packed_file(path)]
+    if not packed:
+        return {}
+    if tp_size > 1:
+        raise ValueError("checkpoint: a packed compressed checkpoint is served at tensor_parallel.tp_size 1")
+    aliases: dict[str, str] = {}
+    for path in packed:
+        layers, file_aliases = packed_layers(path)
+        make_packed_shells(model, layers)
+        aliases.update(file_aliases)
+    return aliases
+
+
+def load_weights(model: nn.Module, files: list[Path], *, rank: int, dtype: torch.dtype, device,
+                 aliases: dict[str, str] | None = None) -> list[str]:  # fmt: skip
+    """Fill ``model``'s parameters and persistent buffers from ``files``; returns the names never loaded.
+    ``aliases``: names a file wrote once for several (tied) tensors, loaded into each of them."""
     slots = dict(model.named_parameters(remove_duplicate=False))
     slots.update(model.named_buffers(remove_duplicate=False))
     missing = set(model.state_dict().keys())
+    copies: dict[str, list[str]] = {}
+    for alias, source in (aliases or {}).items():
+        copies.setdefault(source, []).append(alias)
     for path in files:
         for name, full in _tensors(path):
-            target = slots.get(name)
-            if target is None:
-                continue
-            local = _local_part(name, full, target, rank)
-            value = local.to(device=device, dtype=dtype if local.is_floating_point() else local.dtype)
-            _assign(model, name, value, target)
-            missing.discard(name)
-            del full, local
+            for target_name in [name, *copies.get(name, [])]:
+                target = slots.get(target_name)
+                if target is None:
+                    continue
+                local = _local_part(target_name, full, target, rank)
+                keep = (
+                    local.dtype
+                    if not local.is_floating_point() or _keeps_dtype(model, target_name)
+                    else dtype
+                )
+                _assign(model, target_name, local.to(device=device, dtype=keep), target)
+                missing.discard(target_name)
+                del local
+            del full
     return sorted(missing)
+
+
+def _keeps_dtype(model: nn.Module, name: str) -> bool:
+    """Buffers a module lists in ``KEEP_DTYPE_BUFFERS`` (packed weights' fp32 scales) keep the file's dtype."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    return attr in getattr(owner, "KEEP_DTYPE_BUFFERS", ())
 
 
 def _assign(model: nn.Module, name: str, value: torch.Tensor, target: torch.Tensor) -> None:

@@ -21,7 +21,6 @@ _LAZY = {
     "Pipeline": "shardspeed.mii.pipeline",
     "Response": "shardspeed.mii.pipeline",
     "load_model": "shardspeed.mii.pipeline",
-    "pipeline": "shardspeed.mii.pipeline",
     "serve": "shardspeed.mii.client",
     "client": "shardspeed.mii.client",
 }
@@ -31,3 +30,9 @@ def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'shardspeed.mii' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+# `pipeline` names both a submodule and its main function. Once the submodule is imported (by
+# `from shardspeed.mii.pipeline import load_model`, anywhere), Python sets the package attribute to the module,
+# so a lazy look-up would then return the module; binding the function here keeps `mii.pipeline(path)` callable.
+from .pipeline import pipeline  # noqa: E402

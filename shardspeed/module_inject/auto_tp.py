@@ -303,7 +303,9 @@ def shard_model(model: nn.Module, tp_group, *, layer_specs=None, vocab_parallel:
                 continue  # handled with the embedding below
             sharder.report.replicated.append(name)
             continue
-        _replace(model, name, sharder.shard_linear(name, module, kind, fused, spec))
+        layer = sharder.shard_linear(name, module, kind, fused, spec)
+        variant = getattr(module, "tensor_parallel_variant", None)  # compression layers keep their techniques
+        _replace(model, name, variant(layer, sharder.rank) if variant is not None else layer)
         if kind == "column" and (fused == "qkv" or leaf in Q_NAMES | KV_NAMES | FUSED_QKV_NAMES):
             attention_parents.add(name.rpartition(".")[0])
     sharder.divide_heads(attention_parents)

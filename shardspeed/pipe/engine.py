@@ -334,6 +334,7 @@ class PipelineEngine(ShardspeedEngine):
         state.out_grads[key] = self._output_link(key[1]).recv_grads()
 
     def _exec_forward(self, state: _BatchState, key: tuple[int, int]) -> None:
+        self.compression.before_forward(self.global_steps)
         outputs = self.module(state.inputs[key], chunk=key[1])
         if not self._is_last_part(key[1]):
             state.outputs[key] = outputs
@@ -371,6 +372,7 @@ class PipelineEngine(ShardspeedEngine):
     def _exec_optimizer_step(self, micro_batches: int) -> None:
         self._step_applied = self.optimizer.step()
         if self._step_applied:
+            self.compression.after_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed import accelerator
+from shardspeed.compression.engine_part import CompressionSchedule
 from shardspeed.config import ShardspeedConfig, resolve_batch_sizes
 from shardspeed.moe.parallelism import ExpertParallelism
 from shardspeed.runtime import memory
@@ -135,6 +136,8 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         throughput = config.timers.throughput
         self.throughput = ThroughputMeter(self.device, throughput.enabled, throughput.synchronized)
         self.observers = StepObservers(self, config)  # monitors, flops profiler, comms logger
+        self.compression = CompressionSchedule(self.module, config)  # compression_training's schedule
+        self.compression_scheduler = self.compression.scheduler  # DeepSpeed's attribute
         self.monitor = self.observers.monitor
         if self.global_rank == 0:
             log_dist(
@@ -190,6 +193,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         self.states.check_resident("forward")
         self.timers.start("forward")
         self.observers.before_forward(self)
+        self.compression.before_forward(self.global_steps)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs, kwargs = _cast_floating((inputs, kwargs), torch.float16)
         with self.autocast.context():
@@ -234,6 +238,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             self.timers.start("step")
             self._step_applied = self.optimizer.step()
             if self._step_applied:
+                self.compression.after_step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
