@@ -74,6 +74,10 @@ class _AliasLoader(importlib.abc.Loader):
         # `shardspeed.X.__spec__.name` stays "shardspeed.X" (reload, pickling by module, tools reading specs).
         module.__spec__ = self.original_spec
 
+    def get_code(self, fullname):
+        """`python -m deepspeed.X` (runpy): the code of the shardspeed module, run as `__main__`."""
+        return self.original_spec.loader.get_code(self.original_spec.name)
+
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
     """Resolves `deepspeed.X.Y` to `shardspeed.X.Y` (imported on demand)."""

@@ -1,0 +1,216 @@
+"""THE table of DeepSpeed import paths that are not where shardspeed keeps them, and where each one goes.
+
+Keys are DeepSpeed paths relative to `deepspeed` (`"runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"`,
+`"utils.safe_get_full_grad"`, `"initialize"`); a path that is the same in both packages (`zero.Init`,
+`moe.layer.MoE`) needs no entry, since `deepspeed.X` is `shardspeed.X`. Values:
+
+- `"shardspeed.pipe"`: that module itself, under the DeepSpeed name too (its submodules follow it);
+- `"shardspeed.zero.api:safe_get_full_grad"`: that attribute;
+- `"*"` keys: `"runtime.lr_schedules.*": "shardspeed.compat.lr_schedule_keys"` adds that module's public names
+  to the module at the path (names the real module lacks);
+- `NotOffered(reason)`: a name shardspeed does not offer; it imports, and using it raises `NotOfferedError`
+  saying why (`module=True`: a whole module and everything under it).
+
+The finder (finder.py) applies the table to imports and to attribute access, for `import shardspeed as
+deepspeed` users and, through the `deepspeed` alias, for `import deepspeed` users alike. tests/test_compat_paths.py
+imports every entry. docs/compatibility.md ("Import paths") explains the groups below.
+"""
+
+from __future__ import annotations
+
+from shardspeed.compat.not_offered import NotOffered
+
+__all__ = ["PATHS"]
+
+_KERNELS = (
+    "it is a compiled CUDA kernel; shardspeed compiles nothing (the model's own modules run as written)"
+)
+_INTERNAL = (
+    "a DeepSpeed-internal helper with no counterpart in shardspeed's design; the public accessors "
+    "(deepspeed.utils.safe_get_*/safe_set_*) and engine methods cover what users do with it"
+)
+_NOT_BUILT = "this feature is not built in shardspeed yet (docs/compatibility.md lists what is)"
+
+PATHS: dict[str, object] = {
+    # -- top-level names (`deepspeed.X`) -----------------------------------------------------------------
+    "initialize": "shardspeed.api:initialize",
+    "add_config_arguments": "shardspeed.api:add_config_arguments",
+    "DeepSpeedOptimizerCallable": "shardspeed.api:DeepSpeedOptimizerCallable",
+    "DeepSpeedSchedulerCallable": "shardspeed.api:DeepSpeedSchedulerCallable",
+    "init_distributed": "shardspeed.comm.init:init_distributed",
+    "dist": "shardspeed.comm",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT": "shardspeed.comm.init:TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "constants.TORCH_DISTRIBUTED_DEFAULT_PORT": "shardspeed.comm.init:TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "DeepSpeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
+    "ShardspeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
+    "DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "load_ds_config": "shardspeed.config.loader:read_config_source",
+    "DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
+    "ConfigError": "shardspeed.config.errors:ConfigError",
+    "CheckpointError": "shardspeed.checkpoint.files:CheckpointError",
+    "DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
+    "RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
+    "DeepSpeedOptimizer": "shardspeed.runtime.optimizer_wrapper:OptimizerWrapper",
+    "PipelineModule": "shardspeed.pipe.module:PipelineModule",
+    "PipelineEngine": "shardspeed.pipe.engine:PipelineEngine",
+    "init_inference": "shardspeed.inference:init_inference",
+    "default_inference_config": "shardspeed.inference:default_inference_config",
+    "DeepSpeedInferenceConfig": "shardspeed.inference:DeepSpeedInferenceConfig",
+    "InferenceEngine": "shardspeed.inference.engine:InferenceEngine",
+    "tp_model_init": "shardspeed.runtime.layout:tp_model_init",
+    "OnDevice": "shardspeed.utils.init_on_device:OnDevice",
+    "get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "logger": "shardspeed.utils.logging:logger",
+    "log_dist": "shardspeed.utils.logging:log_dist",
+    "git_hash": "shardspeed.git_version_info:git_hash",
+    "git_branch": "shardspeed.git_version_info:git_branch",
+    "git_version_info_installed": "shardspeed.git_version_info",
+    "checkpointing": "shardspeed.checkpointing",
+    "DeepSpeedHybridEngine": NotOffered(
+        "the hybrid engine (RLHF generate + train in one engine) is not built"
+    ),
+    "DeepSpeedTransformerLayer": NotOffered(_KERNELS),
+    "DeepSpeedTransformerConfig": NotOffered(_KERNELS),
+    "replace_transformer_layer": NotOffered(_KERNELS),
+    "DualPipeVEngine": NotOffered("the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"),
+    "DualPipeVModule": NotOffered("the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"),
+    "autotuning": NotOffered(
+        "the autotuner is not built: set batch sizes and ZeRO knobs in the config", True
+    ),
+    "elasticity": NotOffered("elastic training (the `elasticity` block) is not built", True),
+    "compile": NotOffered(
+        "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module", True
+    ),
+    "datastates": NotOffered("the DataStates asynchronous checkpoint engine is not built", True),
+    "io": NotOffered(
+        "DeepSpeed's FastFileWriter is not built; checkpoints use shardspeed's own writer", True
+    ),
+    "linear": NotOffered("OptimizedLinear / LoRA with quantized base weights is not built", True),
+    "model_implementations": NotOffered(
+        "the inference v2 (FastGen) model implementations are not built", True
+    ),
+    # -- deepspeed.accelerator ------------------------------------------------------------------------------
+    "accelerator.DeepSpeedAccelerator": "shardspeed.accelerator.facade:DeviceAccelerator",
+    "accelerator.abstract_accelerator.DeepSpeedAccelerator": "shardspeed.accelerator.facade:DeviceAccelerator",
+    "accelerator.real_accelerator": "shardspeed.accelerator",
+    # -- deepspeed.ops ----------------------------------------------------------------------------------------
+    "ops.__compatible_ops__": "shardspeed.ops.op_builder:COMPATIBLE_OPS",
+    "ops.transformer": NotOffered(_KERNELS, True),
+    "ops.sparse_attention": NotOffered(_KERNELS, True),
+    "ops.quantizer": NotOffered(_KERNELS, True),
+    "ops.fp_quantizer": NotOffered(_KERNELS, True),
+    "ops.random_ltd": NotOffered(_KERNELS, True),
+    "ops.DeepSpeedTransformerLayer": NotOffered(_KERNELS),
+    "ops.DeepSpeedTransformerConfig": NotOffered(_KERNELS),
+    # -- deepspeed.utils -----------------------------------------------------------------------------------
+    "utils.logger": "shardspeed.utils.logging:logger",
+    "utils.log_dist": "shardspeed.utils.logging:log_dist",
+    "utils.set_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules",
+    "utils.unset_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:unset_z3_leaf_modules",
+    "utils.get_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:get_z3_leaf_modules",
+    "utils.z3_leaf_module": "shardspeed.utils.z3_leaf_module:z3_leaf_module",
+    "utils.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
+    "utils.OnDevice": "shardspeed.utils.init_on_device:OnDevice",
+    "utils.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "utils.safe_get_full_fp32_param": "shardspeed.zero.api:safe_get_full_fp32_param",
+    "utils.safe_set_full_fp32_param": "shardspeed.zero.api:safe_set_full_fp32_param",
+    "utils.safe_get_full_grad": "shardspeed.zero.api:safe_get_full_grad",
+    "utils.safe_get_full_optimizer_state": "shardspeed.zero.api:safe_get_full_optimizer_state",
+    "utils.safe_set_full_grad": "shardspeed.zero.local_access:safe_set_full_grad",
+    "utils.safe_update_full_grad_vectorized": "shardspeed.zero.local_access:safe_update_full_grad_vectorized",
+    "utils.safe_set_full_optimizer_state": "shardspeed.zero.local_access:safe_set_full_optimizer_state",
+    "utils.safe_get_local_grad": "shardspeed.zero.local_access:safe_get_local_grad",
+    "utils.safe_set_local_grad": "shardspeed.zero.local_access:safe_set_local_grad",
+    "utils.safe_get_local_fp32_param": "shardspeed.zero.local_access:safe_get_local_fp32_param",
+    "utils.safe_set_local_fp32_param": "shardspeed.zero.local_access:safe_set_local_fp32_param",
+    "utils.safe_get_local_optimizer_state": "shardspeed.zero.local_access:safe_get_local_optimizer_state",
+    "utils.safe_set_local_optimizer_state": "shardspeed.zero.local_access:safe_set_local_optimizer_state",
+    "utils.get_full_hp_param": "shardspeed.zero.api:safe_get_full_fp32_param",
+    "utils.get_full_hp_grad": "shardspeed.zero.api:safe_get_full_grad",
+    "utils.set_full_hp_param": "shardspeed.zero.api:safe_set_full_fp32_param",
+    "utils.set_full_hp_grad": "shardspeed.zero.local_access:safe_set_full_grad",
+    "utils.get_data_parallel_group": "shardspeed.utils.groups:get_data_parallel_group",
+    "utils.get_data_parallel_rank": "shardspeed.utils.groups:get_data_parallel_rank",
+    "utils.get_data_parallel_world_size": "shardspeed.utils.groups:get_data_parallel_world_size",
+    "utils.get_model_parallel_group": "shardspeed.utils.groups:get_model_parallel_group",
+    "utils.get_model_parallel_rank": "shardspeed.utils.groups:get_model_parallel_rank",
+    "utils.get_model_parallel_world_size": "shardspeed.utils.groups:get_model_parallel_world_size",
+    "utils.get_tensor_model_parallel_group": "shardspeed.utils.groups:get_tensor_model_parallel_group",
+    "utils.get_tensor_model_parallel_rank": "shardspeed.utils.groups:get_tensor_model_parallel_rank",
+    "utils.get_tensor_model_parallel_src_rank": "shardspeed.utils.groups:get_tensor_model_parallel_src_rank",
+    "utils.get_tensor_model_parallel_world_size": "shardspeed.utils.groups:get_tensor_model_parallel_world_size",
+    "utils.zero_to_fp32": "shardspeed.checkpoint.consolidate",
+    "utils.comms_logging.CommsLogger": "shardspeed.comm.logger:CommsLogger",
+    "utils.timer.SynchronizedWallClockTimer": "shardspeed.runtime.timers:PhaseTimers",
+    "utils.timer.ThroughputTimer": "shardspeed.runtime.timers:ThroughputMeter",
+    "utils.numa.parse_range_list": "shardspeed.launcher.hostfile:parse_core_list",
+    "utils.link_hp_params": NotOffered(_INTERNAL),
+    "utils.lazy_init_hp_params_optimizer_state": NotOffered(_INTERNAL),
+    "utils.fragment_address": NotOffered(_INTERNAL),
+    "utils.get_hp_fragment_mapping": NotOffered(_INTERNAL),
+    "utils.map_to_flat_opt_states": NotOffered(_INTERNAL),
+    "utils.tensor_fragment": NotOffered(_INTERNAL, True),
+    "utils.mixed_precision_linkage": NotOffered(_INTERNAL, True),
+    # -- deepspeed.runtime: the engine's modules under DeepSpeed's names ------------------------------------
+    "runtime.pipe": "shardspeed.pipe",
+    "runtime.pipe.topology": "shardspeed.comm.topology",
+    "runtime.pipe.dualpipev": NotOffered("the DualPipeV pipeline schedule is not built", True),
+    "runtime.activation_checkpointing.checkpointing": "shardspeed.checkpointing",
+    "runtime.lr_schedules.*": "shardspeed.compat.lr_schedule_keys",
+    "runtime.dataloader.DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
+    "runtime.dataloader.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
+    "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": "shardspeed.compat.optimizer_classes:ZeroStage3Optimizer",
+    "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": "shardspeed.compat.optimizer_classes:ZeroStage12Optimizer",
+    "runtime.fp16.fused_optimizer.FP16_Optimizer": "shardspeed.compat.optimizer_classes:FP16Optimizer",
+    "runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "shardspeed.compat.optimizer_classes:FP16UnfusedOptimizer",
+    "runtime.bf16_optimizer.BF16_Optimizer": "shardspeed.compat.optimizer_classes:BF16Optimizer",
+    "runtime.zero.Init": "shardspeed.zero.init:Init",
+    "runtime.zero.GatheredParameters": "shardspeed.zero.api:GatheredParameters",
+    "runtime.zero.ZeroParamStatus": "shardspeed.runtime.zero.partition_parameters:ZeroParamStatus",
+    "runtime.zero.register_external_parameter": "shardspeed.zero.api:register_external_parameter",
+    "runtime.zero.unwrap_model_for_generation": "shardspeed.zero.api:unwrap_model_for_generation",
+    "runtime.zero.config.DeepSpeedZeroConfig": "shardspeed.config.zero:ZeroConfig",
+    "runtime.zero.config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",
+    "runtime.zero.config.DeepSpeedZeroOffloadOptimizerConfig": "shardspeed.config.zero:OffloadOptimizerConfig",
+    "runtime.zero.config.ZeroStageEnum": "shardspeed.compat.deepspeed_types:ZeroStageEnum",
+    "runtime.zero.config.OffloadDeviceEnum": "shardspeed.compat.deepspeed_types:OffloadDeviceEnum",
+    "runtime.zero.offload_config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",
+    "runtime.zero.offload_config.DeepSpeedZeroOffloadOptimizerConfig": "shardspeed.config.zero:OffloadOptimizerConfig",
+    "runtime.zero.offload_config.OffloadDeviceEnum": "shardspeed.compat.deepspeed_types:OffloadDeviceEnum",
+    "runtime.zero.utils.ZeRORuntimeException": "shardspeed.compat.deepspeed_types:ZeRORuntimeException",
+    "runtime.zero.partition_parameters.MultipleAllGatherHandles": NotOffered(_INTERNAL),
+    "runtime.zero.partition_parameters.AllGatherCoalescedHandle": NotOffered(_INTERNAL),
+    "runtime.zero.tiling.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
+    "runtime.zero.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
+    "runtime.zero.mics.MiCS_Init": NotOffered("MiCS (hierarchical ZeRO-3 partitioning) is not built"),
+    "zero.MiCS_Init": NotOffered("MiCS (hierarchical ZeRO-3 partitioning) is not built"),
+    "zero.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
+    "runtime.config.DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "runtime.config.DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
+    "runtime.config.ZeroStageEnum": "shardspeed.compat.deepspeed_types:ZeroStageEnum",
+    "runtime.config_utils.DeepSpeedConfigModel": NotOffered(
+        "DeepSpeed's pydantic config base class; shardspeed has one config system of dataclasses (shardspeed.config)"
+    ),
+    "runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine": NotOffered(
+        "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only checkpoint files itself"
+    ),
+    "runtime.engine.DeepSpeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
+    "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.runtime.optimizer_wrapper:OptimizerWrapper",
+    "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
+    "runtime.hybrid_engine": NotOffered(
+        "the hybrid engine (RLHF generate + train in one engine) is not built", True
+    ),
+    "runtime.data_pipeline": NotOffered("curriculum learning / data efficiency is not built", True),
+    "runtime.comm.compressed": NotOffered("1-bit compressed communication is not built", True),
+    "runtime.fp16.onebit": NotOffered("1-bit Adam/LAMB optimizers are not built", True),
+    # -- deepspeed.checkpoint --------------------------------------------------------------------------------
+    "checkpoint.DeepSpeedCheckpoint": NotOffered(
+        "the offline checkpoint reshaper is not needed: checkpoints load at any world size, stage and degree"
+    ),
+    "checkpoint.ds_to_universal": NotOffered(
+        "no offline universal conversion is needed: checkpoints load at any world size, stage and degree",
+        True,
+    ),
+    # -- process groups -------------------------------------------------------------------------------------
+    "moe.mappings": NotOffered("expert tensor parallelism is not built", True),
+}
