@@ -13,13 +13,16 @@ The files are a fixed selection (FILES, each with why it is in) of what DeepSpee
 (`.github/workflows/cpu-torch-latest.yml`: `pytest --forked unit/`) runs, covering what shardspeed offers:
 the engine and its config, ZeRO, checkpoints, communication, pipeline and MoE, the launcher, activation
 checkpointing, LR schedules, the accelerator, optimizers without compiled kernels, the utils. Each file runs
-as `pytest --forked <file>` under a time limit (`--file-timeout`) so nothing hangs the run, with
+as `pytest --forked <file>`, each test under a time limit (`--test-timeout`, pytest-timeout: their harness
+waits for its rank processes without one) and each file under another (`--file-timeout`), so nothing hangs
+the run, with
 `DS_ACCELERATOR=cpu` and `LOCAL_SIZE=2` (the CPU accelerator reports LOCAL_SIZE devices; the harness skips a
 test that wants more ranks than devices, so every test runs on at most 2 CPU ranks over Gloo).
 
 The two systems run in two interpreters, because the alias refuses to be importable beside DeepSpeed:
 - `--deepspeed-python`: a venv with `deepspeed==0.19.8` (DS_BUILD_OPS=0), torch 2.13.0, pytest<8.4 (pytest 8.4+
-  breaks their forked harness), pytest-forked, numpy (`pip install torch==2.13.0 ".[bench,conformance]"`);
+  breaks their forked harness), pytest-forked, pytest-timeout, numpy, py-cpuinfo
+  (`pip install torch==2.13.0 ".[bench,conformance]"`);
 - `--shardspeed-python`: a venv with shardspeed and the `conformance` extra, and no DeepSpeed; this script
   stages the alias (integrations/deepspeed-alias) on its PYTHONPATH, as `pip install` would lay it out.
 
@@ -30,6 +33,7 @@ Results: benchmarks/results/deepspeed_unit_tests.{md,json} (per file: collected 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -42,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from unit_test_report import parse_pytest_log, render_markdown, summarize_file
+from unit_test_report import junit_reasons, parse_pytest_log, render_markdown, summarize_file
 
 ROOT = Path(__file__).resolve().parent.parent
 ALIAS_SOURCE = ROOT / "integrations" / "deepspeed-alias"
@@ -136,11 +140,18 @@ def side_environment(side: str, alias_dir: Path | None) -> dict[str, str]:
     return env
 
 
-def run_file(python: str, tests_dir: Path, name: str, env: dict, timeout: float, log_dir: Path) -> dict:
-    """One file under pytest --forked, killed (the whole process group) after `timeout` seconds."""
+def run_file(
+    python: str, tests_dir: Path, name: str, env: dict, limits: tuple[float, float], log_dir: Path
+) -> dict:
+    """One file under pytest --forked: each test stopped after `limits[0]` seconds (pytest-timeout, in the
+    forked child), the whole file after `limits[1]`; then every process it left behind is killed."""
+    test_limit, timeout = limits
     log_path = log_dir / (name.replace("/", "__") + ".log")
+    junit_path = log_path.with_suffix(".xml")
+    junit_path.unlink(missing_ok=True)
     command = [python, "-m", "pytest", "--forked", "-p", "no:cacheprovider", "-p", "no:randomly",
-               "-rfEs", "--tb=line", name]  # fmt: skip
+               "-rfEs", "--tb=short", f"--junitxml={junit_path}", f"--timeout={test_limit:.0f}",
+               "--timeout_method=thread", name]  # fmt: skip
     started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -149,11 +160,15 @@ def run_file(python: str, tests_dir: Path, name: str, env: dict, timeout: float,
             code = process.wait(timeout=timeout)
             status = "ok" if code in (0, 1) else f"pytest exit {code}"
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
             status = f"time limit ({timeout:.0f} s)"
+        # a test stopped by its time limit leaves its rank processes behind (same process group)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
     text = log_path.read_text(errors="replace")
     parsed = parse_pytest_log(text)
+    if junit_path.exists():  # absent when the time limit stopped pytest
+        parsed["reasons"].update(junit_reasons(junit_path.read_text(errors="replace"), name))
     summary = summarize_file(parsed, status, time.monotonic() - started)
     return {**summary, "tests": parsed["tests"], "reasons": parsed["reasons"],
             "skip_reasons": parsed["skip_reasons"]}  # fmt: skip
@@ -182,7 +197,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deepspeed-python")
     parser.add_argument("--only", choices=SIDES, help="run one side; the other keeps its last results")
     parser.add_argument("--files", nargs="+", help="a subset of FILES (default: all of them)")
-    parser.add_argument("--file-timeout", type=float, default=900.0, help="seconds per file and side")
+    parser.add_argument("--file-timeout", type=float, default=1800.0, help="seconds per file and side")
+    parser.add_argument("--test-timeout", type=float, default=300.0, help="seconds per test (pytest-timeout)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "deepspeed_unit_tests_logs",
                         help="each file's pytest output, per side")  # fmt: skip
@@ -211,7 +227,8 @@ def main(argv=None) -> int:
         alias_dir = stage_alias(Path(tmp) / "alias")
         meta = results.setdefault("meta", {})
         meta.update(tests_commit=TESTS_COMMIT, machine=args.machine,
-                    date=datetime.date.today().isoformat(), file_timeout_s=args.file_timeout)  # fmt: skip
+                    date=datetime.date.today().isoformat(), file_timeout_s=args.file_timeout,
+                    test_timeout_s=args.test_timeout)  # fmt: skip
         for side in sides:
             python = args.deepspeed_python if side == "deepspeed" else args.shardspeed_python
             env = side_environment(side, alias_dir)
@@ -222,7 +239,9 @@ def main(argv=None) -> int:
             )
             meta[f"{side}_torch"] = _version(python, "torch", env)
             for name in names:
-                row = run_file(python, args.tests, name, env, args.file_timeout, args.logs / side)
+                row = run_file(
+                    python, args.tests, name, env, (args.test_timeout, args.file_timeout), args.logs / side
+                )
                 results["files"][name][side] = row
                 print(f"[{side}] {name}: {row['passed']}/{row['collected']} passed, {row['status']}, "
                       f"{row['seconds']:.0f} s", flush=True)  # fmt: skip

@@ -9,9 +9,10 @@ table for both systems and the headline figure: of the tests DeepSpeed passes, h
 from __future__ import annotations
 
 import re
+import xml.etree.ElementTree as ElementTree
 from collections import Counter
 
-__all__ = ["conformance_figure", "parse_pytest_log", "render_markdown", "summarize_file"]
+__all__ = ["conformance_figure", "junit_reasons", "parse_pytest_log", "render_markdown", "summarize_file"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # `unit/x.py::Class::test[param] PASSED [ 10%]` (pytest -v); ids may hold spaces inside brackets
@@ -68,6 +69,31 @@ def parse_pytest_log(text: str) -> dict:
         "skip_reasons": dict(skip_reasons),
         "collection_errors": collection_errors,
     }
+
+
+def _reason(text: str) -> str:
+    """The exception line of a failure's traceback text (`E   TypeError: ...`), else its last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return errors[0] if errors else (lines[-1] if lines else "")
+
+
+def junit_reasons(xml_text: str, test_file: str) -> dict[str, str]:
+    """Test id -> reason for each failed or errored test of `test_file` in a pytest junit report.
+
+    pytest-forked reports have no separate crash message, so the reason is read from the traceback text.
+    """
+    module = test_file[: -len(".py")].replace("/", ".")
+    reasons = {}
+    for case in ElementTree.fromstring(xml_text).iter("testcase"):
+        problem = next((c for c in case if c.tag in ("failure", "error")), None)
+        if problem is None:
+            continue
+        owner = case.get("classname", "")
+        klass = owner[len(module) + 1 :] if owner.startswith(module + ".") else ""
+        test_id = "::".join(part for part in (test_file, klass, case.get("name", "")) if part)
+        reasons[test_id] = _reason(problem.get("message") or problem.text or "")
+    return reasons
 
 
 def summarize_file(parsed: dict, status: str, seconds: float) -> dict:

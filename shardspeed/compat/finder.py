@@ -193,7 +193,7 @@ class CompatFinder(importlib.abc.MetaPathFinder):
             return self._spec(
                 fullname, _NewModuleLoader(lambda n: not_offered_module(n, relative, entry.reason))
             )
-        if isinstance(entry, str) and ":" not in entry:
+        if isinstance(entry, str) and ":" not in entry and entry + (f".{rest}" if rest else "") != fullname:
             module = importlib.import_module(entry + (f".{rest}" if rest else ""))
             return self._spec(fullname, _ExistingModuleLoader(module), hasattr(module, "__path__"))
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)

@@ -65,7 +65,6 @@ PATHS: dict[str, object] = {
     "git_hash": "shardspeed.git_version_info:git_hash",
     "git_branch": "shardspeed.git_version_info:git_branch",
     "git_version_info_installed": "shardspeed.git_version_info",
-    "checkpointing": "shardspeed.checkpointing",
     "DeepSpeedHybridEngine": NotOffered(
         "the hybrid engine (RLHF generate + train in one engine) is not built"
     ),
@@ -185,7 +184,22 @@ PATHS: dict[str, object] = {
     "runtime.zero.mics.MiCS_Init": NotOffered("MiCS (hierarchical ZeRO-3 partitioning) is not built"),
     "zero.MiCS_Init": NotOffered("MiCS (hierarchical ZeRO-3 partitioning) is not built"),
     "zero.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
+    "runtime.config.*": "shardspeed.compat.config_names",
+    "runtime.constants.*": "shardspeed.compat.config_names",
     "runtime.config.DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "runtime.precision_config.get_bfloat16_config": NotOffered(
+        "DeepSpeed's per-block config getters are internal; read DeepSpeedConfig(config).bf16 instead"
+    ),
+    "runtime.precision_config.get_float16_config": NotOffered(
+        "DeepSpeed's per-block config getters are internal; read DeepSpeedConfig(config).fp16 instead"
+    ),
+    "runtime.pipe.topology._prime_factors": "shardspeed.runtime.utils:prime_factors",
+    "runtime.comm.coalesced_collectives.all_to_all_quant_reduce": NotOffered(
+        "quantized all-to-all gradient reduction (ZeRO++ qgZ) is not built"
+    ),
+    "runtime.zero.partition_parameters.partitioned_param_data_shape": (
+        "shardspeed.runtime.zero.partition_parameters:partitioned_param_data_shape"
+    ),
     "runtime.config.DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
     "runtime.config.ZeroStageEnum": "shardspeed.compat.deepspeed_types:ZeroStageEnum",
     "runtime.config_utils.DeepSpeedConfigModel": NotOffered(
@@ -203,6 +217,21 @@ PATHS: dict[str, object] = {
     "runtime.data_pipeline": NotOffered("curriculum learning / data efficiency is not built", True),
     "runtime.comm.compressed": NotOffered("1-bit compressed communication is not built", True),
     "runtime.fp16.onebit": NotOffered("1-bit Adam/LAMB optimizers are not built", True),
+    "ops.aio.AsyncIOBuilder": "shardspeed.ops.op_builder:AsyncIOBuilder",
+    "moe.sharded_moe._route_slots": NotOffered(_INTERNAL),
+    "moe.sharded_moe._sparse_encode": NotOffered(_INTERNAL),
+    "moe.sharded_moe._sparse_decode": NotOffered(_INTERNAL),
+    "utils.groups._get_expert_parallel_ranks": "shardspeed.moe.groups:expert_parallel_ranks",
+    "utils.set_z3_leaf_modules_by_name": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_name",
+    "utils.set_z3_leaf_modules_by_suffix": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_suffix",
+    "monitor.csv_monitor.csvMonitor": "shardspeed.monitor.csv_monitor:CsvMonitor",
+    "monitor.config.DeepSpeedMonitorConfig": "shardspeed.runtime.config:DeepSpeedMonitorConfig",
+    "launcher.runner.encode_world_info": "shardspeed.launcher.hostfile:encode_world_info",
+    "launcher.multinode_runner": NotOffered(
+        "DeepSpeed's runner classes are internal; shardspeed's launcher builds the same backends' commands "
+        "(shardspeed/launcher/multinode.py) behind the same flags",
+        True,
+    ),
     # -- deepspeed.checkpoint --------------------------------------------------------------------------------
     "checkpoint.DeepSpeedCheckpoint": NotOffered(
         "the offline checkpoint reshaper is not needed: checkpoints load at any world size, stage and degree"

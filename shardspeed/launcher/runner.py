@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(args: list[str] | None = None) -> argparse.Namespace:
+    """The launcher's flags parsed (DeepSpeed's `deepspeed.launcher.runner.parse_args`)."""
+    return build_parser().parse_args(args)
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """Conflicts between flags alone, before any file or host is looked at."""
     check_conflicts(args)

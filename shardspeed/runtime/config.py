@@ -10,11 +10,29 @@ error is the same as in `initialize`), at the data-parallel world size of the ru
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch.distributed as dist
 
 from shardspeed.config import load_config
+from shardspeed.config.monitoring import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 
-__all__ = ["DeepSpeedConfig"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedMonitorConfig"]
+
+
+@dataclass(kw_only=True)
+class DeepSpeedMonitorConfig:
+    """DeepSpeed's `monitor.config.DeepSpeedMonitorConfig`: the four monitor blocks (defaults when absent)."""
+
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return any(block.enabled for block in (self.tensorboard, self.wandb, self.csv_monitor, self.comet))
+
 
 # DeepSpeed attribute -> function of the loaded ShardspeedConfig
 _DEEPSPEED_NAMES = {
@@ -33,6 +51,9 @@ _DEEPSPEED_NAMES = {
     "activation_checkpointing_config": lambda c: c.activation_checkpointing,
     "pipeline": lambda c: c.pipeline,
     "_param_dict": lambda c: c.raw,
+    "monitor_config": lambda c: DeepSpeedMonitorConfig(
+        tensorboard=c.tensorboard, wandb=c.wandb, csv_monitor=c.csv_monitor, comet=c.comet
+    ),
 }
 
 

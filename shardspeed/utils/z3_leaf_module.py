@@ -8,10 +8,17 @@ stage 3 already gathers whole module subtrees as one unit (zero/param_units.py),
 
 from __future__ import annotations
 
-__all__ = ["get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]
+__all__ = [
+    "get_z3_leaf_modules",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+]
 
 
-def _mark(model, leaf_module_classes, flag: bool) -> list:
+def _mark(model, leaf_module_classes, flag: bool, raise_if_not_found: bool = True) -> list:
     classes = tuple(leaf_module_classes)
     names = {c for c in classes if isinstance(c, str)}
     types = tuple(c for c in classes if isinstance(c, type))
@@ -24,18 +31,49 @@ def _mark(model, leaf_module_classes, flag: bool) -> list:
         if isinstance(module, types) or type(module).__name__ in names:
             module._z3_leaf = flag
             marked.append(module)
-    if not marked:
+    if not marked and raise_if_not_found:
         raise ValueError(f"no module of the classes {list(leaf_module_classes)!r} is in the model")
     return marked
 
 
-def set_z3_leaf_modules(model, leaf_module_classes) -> list:
+def set_z3_leaf_modules(model, leaf_module_classes, raise_if_not_found: bool = True) -> list:
     """Mark every module of the given classes (or class names) as a ZeRO-3 leaf; returns those modules."""
-    return _mark(model, leaf_module_classes, True)
+    return _mark(model, leaf_module_classes, True, raise_if_not_found)
 
 
-def unset_z3_leaf_modules(model, leaf_module_classes) -> list:
-    return _mark(model, leaf_module_classes, False)
+def unset_z3_leaf_modules(model, leaf_module_classes, raise_if_not_found: bool = True) -> list:
+    return _mark(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def set_z3_leaf_modules_by_name(model, module_names, flag: bool = True, raise_if_not_found: bool = True):
+    """Mark the modules named (as in `model.named_modules()`); returns (modules marked, names not found)."""
+    by_name = dict(model.named_modules())
+    missing = [name for name in module_names if name not in by_name]
+    if missing and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules_by_name: no module named {missing} in the model")
+    marked = [by_name[name] for name in module_names if name in by_name]
+    for module in marked:
+        module._z3_leaf = flag
+    return marked, missing
+
+
+def set_z3_leaf_modules_by_suffix(
+    model, module_name_suffixes, flag: bool = True, raise_if_not_found: bool = True
+):
+    """Mark every module whose name ends with one of the suffixes; returns (modules marked, suffixes unmatched)."""
+    named = list(model.named_modules())
+    marked: dict[int, object] = {}
+    missing = []
+    for suffix in module_name_suffixes:
+        hits = [module for name, module in named if name.endswith(suffix)]
+        if not hits:
+            missing.append(suffix)
+        for module in hits:
+            module._z3_leaf = flag
+            marked.setdefault(id(module), module)
+    if missing and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules_by_suffix: no module name ends with {missing}")
+    return list(marked.values()), missing
 
 
 def z3_leaf_module(model) -> bool:
