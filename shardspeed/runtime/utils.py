@@ -15,6 +15,7 @@ import random
 import torch
 import torch.distributed as dist
 
+from shardspeed.comm.collectives import all_gather_flat
 from shardspeed.pipe.partition import balanced_bounds, uniform_bounds
 from shardspeed.utils.logging import logger
 
@@ -122,7 +123,7 @@ class PartitionedTensor:
         padded = torch.zeros(largest, dtype=self.local_data.dtype, device=self.local_data.device)
         padded[: self.local_data.numel()] = self.local_data
         gathered = torch.empty(largest * self.num_parts, dtype=padded.dtype, device=padded.device)
-        dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        all_gather_flat(gathered, padded, group=self.group)
         parts = [gathered[i * largest : i * largest + n] for i, n in enumerate(sizes)]
         whole = torch.cat(parts).view(self.orig_size)
         return whole.to(device) if device is not None else whole

@@ -10,6 +10,8 @@ collective (all of them when none is chosen) at one message size, or at every po
 algorithm bandwidth (bytes each rank contributes / time) and the bus bandwidth (algorithm bandwidth x the
 collective's traffic factor, as nccl-tests define it: 2(n-1)/n for all-reduce, (n-1)/n for all-gather,
 reduce-scatter and all-to-all, 1 for broadcast and point-to-point), so numbers compare across world sizes.
+All-gather and reduce-scatter go through shardspeed's flat collectives, the ones ZeRO uses (on Gloo, whose
+native reduce-scatter is slow, one reduce per slice; shardspeed/comm/collectives.py).
 
 The single message size is `--elements-per-gpu` elements, else (on a GPU) `--mem-factor` of the free device
 memory divided among the buffers the collective needs, else 2^`--maxsize` bytes. `--backend ccl` (oneCCL) is
@@ -113,15 +115,17 @@ def _sizes(args, op: str, torch, dtype, world: int, cuda: bool) -> list[int]:
 def _runner(op: str, numel: int, dtype, device, dist, world: int, rank: int):
     """A function issuing one `op` call (async_op as given) on fresh buffers of `numel` elements per rank."""
     torch = sys.modules["torch"]
+    from shardspeed.comm.collectives import all_gather_flat, reduce_scatter_flat
+
     send = torch.ones(numel, dtype=dtype, device=device)
     if op == "all_reduce":
         return lambda async_op: dist.all_reduce(send, async_op=async_op)
     if op == "all_gather":
         out = torch.empty(numel * world, dtype=dtype, device=device)
-        return lambda async_op: dist.all_gather_into_tensor(out, send, async_op=async_op)
+        return lambda async_op: all_gather_flat(out, send, async_op=async_op)
     if op == "reduce_scatter":
         out = torch.empty(numel // world, dtype=dtype, device=device)
-        return lambda async_op: dist.reduce_scatter_tensor(out, send, async_op=async_op)
+        return lambda async_op: reduce_scatter_flat(out, send, async_op=async_op)
     if op == "all_to_all":
         out = torch.empty_like(send)
         return lambda async_op: dist.all_to_all_single(out, send, async_op=async_op)
