@@ -122,7 +122,7 @@ def stage_alias(folder: Path) -> Path:
     return folder
 
 
-def side_environment(side: str, alias_dir: Path | None) -> dict[str, str]:
+def side_environment(side: str, alias_dir: Path | None, extensions_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "SHARDSPEED_"))}
     env.update(
         DS_ACCELERATOR="cpu",  # both: DeepSpeed's and shardspeed's accelerator choice
@@ -133,6 +133,9 @@ def side_environment(side: str, alias_dir: Path | None) -> dict[str, str]:
         DS_BUILD_OPS="0",
         COLUMNS="400",  # the short summary keeps whole reasons
         PYTHONDONTWRITEBYTECODE="1",
+        # DeepSpeed JIT-builds its CPU ops here: a private folder, so a build lock another job left behind
+        # (torch waits on it forever) cannot stall this run
+        TORCH_EXTENSIONS_DIR=str(extensions_dir),
     )
     env.pop("PYTHONPATH", None)
     if side == "shardspeed":
@@ -231,7 +234,7 @@ def main(argv=None) -> int:
                     test_timeout_s=args.test_timeout)  # fmt: skip
         for side in sides:
             python = args.deepspeed_python if side == "deepspeed" else args.shardspeed_python
-            env = side_environment(side, alias_dir)
+            env = side_environment(side, alias_dir, args.logs / "torch_extensions")
             (args.logs / side).mkdir(parents=True, exist_ok=True)
             _check_interpreter(side, python, env)
             meta[f"{side}_version"] = _version(

@@ -41,7 +41,7 @@ _ALIASED_AS: dict[str, list[str]] = {}
 for _path, _target in _MODULE_ALIASES.items():
     _ALIASED_AS.setdefault(_target, []).append(_path)
 # every proper prefix of a table path: a module even where shardspeed has no file of that name
-_PREFIXES = {p.rsplit(".", i)[0] for p in PATHS if not p.endswith(".*") for i in range(1, p.count(".") + 1)}
+_PREFIXES = {p.rsplit(".", i)[0] for p in PATHS for i in range(1, p.count(".") + 1)}  # "a.b.*" gives "a.b"
 _STAND_INS: dict[str, type] = {}
 
 

@@ -14,7 +14,10 @@ would have built that class:
 | `runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer` | stage 0, fp16 with another optimizer (Lamb, ...), or bf16 accumulating in bf16 |
 | `runtime.bf16_optimizer.BF16_Optimizer` | stage 0, bf16, gradients accumulated in fp32 |
 
-The wrappers are built by `initialize`; constructing one of these classes directly raises NotOfferedError.
+The checks follow what shardspeed's wrapper does: at stage 0 with bf16, gradients accumulate in fp32 unless
+`data_types.grad_accum_dtype` says bf16, so that configuration is a `BF16_Optimizer` (DeepSpeed 0.19.8
+accumulates in bf16 there and builds an `FP16_UnfusedOptimizer`). The wrappers are built by `initialize`;
+constructing one of these classes directly raises NotOfferedError.
 """
 
 from __future__ import annotations

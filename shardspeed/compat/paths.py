@@ -107,7 +107,6 @@ PATHS: dict[str, object] = {
     "utils.set_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules",
     "utils.unset_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:unset_z3_leaf_modules",
     "utils.get_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:get_z3_leaf_modules",
-    "utils.z3_leaf_module": "shardspeed.utils.z3_leaf_module:z3_leaf_module",
     "utils.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
     "utils.OnDevice": "shardspeed.utils.init_on_device:OnDevice",
     "utils.get_accelerator": "shardspeed.accelerator:get_accelerator",
@@ -240,6 +239,68 @@ PATHS: dict[str, object] = {
         "no offline universal conversion is needed: checkpoints load at any world size, stage and degree",
         True,
     ),
-    # -- process groups -------------------------------------------------------------------------------------
+    # -- process groups and communication -----------------------------------------------------------------
     "moe.mappings": NotOffered("expert tensor parallelism is not built", True),
+    "moe.utils.MoE": "shardspeed.moe.layer:MoE",
+    "moe.layer.log_dist": "shardspeed.utils.logging:log_dist",
+    "comm.CommsLogger": "shardspeed.comm.logger:CommsLogger",
+    "comm.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "comm.all_gather_object": "torch.distributed:all_gather_object",
+    "comm.batch_isend_irecv": "torch.distributed:batch_isend_irecv",
+    "comm.P2POp": "torch.distributed:P2POp",
+    "comm.ProcessGroup": "torch.distributed:ProcessGroup",
+    "comm.get_all_ranks_from_group": "torch.distributed:get_process_group_ranks",
+    "utils.groups.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "utils.groups.log_dist": "shardspeed.utils.logging:log_dist",
+    "utils.set_z3_leaf_module": "shardspeed.utils.z3_leaf_module:set_z3_leaf_module",
+    "utils.log_dist_once": "shardspeed.utils.logging:log_dist_once",
+    "utils.set_log_level_from_string": "shardspeed.utils.logging:set_log_level_from_string",
+    "utils.instrument_w_nvtx": "shardspeed.utils.torch:instrument_w_nvtx",
+    "zero.ZeroParamStatus": "shardspeed.runtime.zero.partition_parameters:ZeroParamStatus",
+    "checkpointing.DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "checkpointing.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "checkpointing.see_memory_usage": "shardspeed.runtime.utils:see_memory_usage",
+    "MUON_OPTIMIZER": "shardspeed.compat.config_names:MUON_OPTIMIZER",
+    "pipe.DualPipeVModule": NotOffered(
+        "the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"
+    ),
 }
+
+# DeepSpeed-internal names its public modules expose (helpers of its own implementation, or of features
+# shardspeed does not build): importable stand-ins naming themselves when used. Grouped by module.
+_INTERNAL_NAMES = {
+    "": "KV MLA_KV MLA_Q NOT_HEAD_BLOCKED QUERY resolve_per_head_muon_after_sharding set_optimizer_flags "
+    "merge_tp_model_init_into_config record_tp_model_init_args set_autotp_mode",
+    "utils": "DeprecatedException bwc_pipeline_parallel_world_size bwc_tensor_model_parallel_world_size "
+    "get_caller_func get_numactl_cmd initialize recursive_getattr recursive_setattr "
+    "set_tensor_model_parallel_rank set_tensor_model_parallel_world_size z3_leaf_parameter",
+    "utils.groups": "DeprecatedException bwc_pipeline_parallel_world_size bwc_tensor_model_parallel_world_size "
+    "initialize set_tensor_model_parallel_rank set_tensor_model_parallel_world_size",
+    "zero": "DeepSpeedTensorOverride DeepSpeedZeRoOffload TiledLinearReturnBias ZeroParamType",
+    "comm": "CCLBackend TorchBackend all_gather_coalesced all_reduce_coalesced allgather_fn "
+    "enable_symm_mem_for_group get_caller_func get_comm_operation_count get_debug_log_name get_default_args "
+    "get_local_rank_from_launcher get_logged_comm_ops get_msg_size_from_args get_tensor_kwarg "
+    "get_tensor_position get_world_rank_from_launcher get_world_size_from_launcher has_all_gather_into_tensor "
+    "has_all_reduce_coalesced has_coalescing_manager has_comm_data has_reduce_scatter_tensor in_aml in_aws_sm "
+    "in_dlts inference_all_reduce init_deepspeed_backend initialize_mesh_device mpi_discovery "
+    "patch_aml_env_for_torch_nccl_backend patch_aws_sm_env_for_torch_nccl_backend reduce_scatter_fn reset_log "
+    "set_backend timed_op timers",
+    "moe.utils": "configure_moe_param_groups",
+    "checkpointing": "Timers bwc_tensor_model_parallel_rank copy_to_device detach_variable extract_tensors "
+    "gather_partitioned_activations get_cpu_activations_for_backward get_offloaded_activations_for_backward "
+    "get_partition_size get_partition_start get_partitioned_activations_for_backward "
+    "is_activation_to_checkpoint merge_tensors model_parallel_reconfigure_tp_seed move_to_device "
+    "partition_activations restore_offloaded_activations",
+    "utils.zero_to_fp32": "GatheredTensor atoi natural_keys convert_zero_checkpoint_to_state_dict "
+    "get_model_state_file parse_model_states parse_optim_states to_torch_tensor zero3_partitioned_param_info "
+    "zero_model_state",
+    "runtime.lr_schedules": "get_lr_from_config get_torch_optimizer override_1cycle_params "
+    "override_lr_range_test_params override_params override_warmupCosineLR_params override_warmupLR_params "
+    "parse_arguments update_lr",
+    "runtime.zero.config": "DeepSpeedConfigModel DeepSpeedZeroLeafModuleConfig ZenFlowConfig get_scalar_param "
+    "get_zero_config pp_int read_zero_config_deprecated",
+    "ops.adam": "ZenFlowCPUAdam ZenFlowSelectiveAdamW ZenFlowSelectiveAdamW_stage3",
+}
+for _module, _names in _INTERNAL_NAMES.items():
+    for _name in _names.split():
+        PATHS.setdefault(f"{_module}.{_name}" if _module else _name, NotOffered(_INTERNAL))

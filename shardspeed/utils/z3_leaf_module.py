@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "get_z3_leaf_modules",
+    "set_z3_leaf_module",
     "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix",
@@ -74,6 +75,11 @@ def set_z3_leaf_modules_by_suffix(
     if missing and raise_if_not_found:
         raise ValueError(f"set_z3_leaf_modules_by_suffix: no module name ends with {missing}")
     return list(marked.values()), missing
+
+
+def set_z3_leaf_module(model, flag: bool) -> None:
+    """Mark (or unmark) this one module as a ZeRO-3 leaf."""
+    model._z3_leaf = flag
 
 
 def z3_leaf_module(model) -> bool:
