@@ -53,7 +53,11 @@ ALIAS_SOURCE = ROOT / "integrations" / "deepspeed-alias"
 TESTS_COMMIT = "edaa72212"
 SIDES = ("deepspeed", "shardspeed")
 
-# (file under tests/, why it is in the selection)
+# (file under tests/, why it is in the selection). Left out, though in the CPU workflow: inference and
+# compiled-kernel ops (not CPU or not built), compile/DeepCompile, autotuning, compression, hybrid engine,
+# ZenFlow, AutoTP/AutoEP internals, Ulysses-ALST, and files that test DeepSpeed's internal classes rather than
+# behaviour users see (launcher runner classes, MultiNodeRunner argument plumbing, the CPU/fused Adam kernels
+# compared with each other); the flops-profiler file collects nothing on CPU.
 FILES = [
     ("unit/runtime/test_ds_initialize.py", "initialize(): optimizers, schedulers, client objects, dtypes"),
     ("unit/runtime/test_ds_config_dict.py", "config parsing and batch-size rules"),
@@ -94,13 +98,9 @@ FILES = [
     ("unit/comm/test_comms_logger.py", "comms logger"),
     ("unit/launcher/test_ds_arguments.py", "add_config_arguments"),
     ("unit/launcher/test_run.py", "launcher: hostfile, include/exclude"),
-    ("unit/launcher/test_multinode_runner.py", "launcher: multi-node runners' commands"),
-    ("unit/launcher/test_user_args.py", "launcher: user arguments passed through"),
     ("unit/monitor/test_monitor.py", "monitors"),
-    ("unit/profiling/flops_profiler/test_flops_profiler.py", "flops profiler"),
     ("unit/ops/adagrad/test_cpu_adagrad.py", "DeepSpeedCPUAdagrad"),
     ("unit/ops/lion/test_cpu_lion.py", "DeepSpeedCPULion"),
-    ("unit/ops/adam/test_hybrid_adam.py", "DeepSpeedCPUAdam / FusedAdam"),
     ("unit/utils/test_groups.py", "utils.groups"),
     ("unit/utils/test_init_on_device.py", "OnDevice"),
     ("unit/utils/test_partition_balanced.py", "runtime.utils.partition_balanced"),
