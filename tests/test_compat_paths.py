@@ -249,3 +249,22 @@ def test_z3_leaf_modules_by_name_and_suffix():
         set_z3_leaf_modules_by_name(model, ["9"])
     marked, missing = set_z3_leaf_modules_by_suffix(model, ["0"], flag=False)
     assert set(map(id, marked)) == {id(model[0]), id(model[1][0])} and not model[1][0]._z3_leaf
+
+
+def test_launcher_helpers_under_deepspeeds_names():
+    from shardspeed.launcher import runner
+
+    hosts = {"w0": [0, 1, 2, 3], "w1": [0, 1]}
+    assert runner.parse_resource_filter(hosts) == hosts
+    assert runner.parse_resource_filter(hosts, exclude_str="w0:1@w1") == {"w0": [0, 2, 3]}
+    assert (
+        runner.parse_resource_filter(hosts, exclude_str="w0@w1") == {}
+    )  # the launcher refuses this, not here
+    with pytest.raises(ValueError, match="host 'jeff' is not in the hostfile"):
+        runner.parse_resource_filter(hosts, include_str="jeff")
+    with pytest.raises(ValueError, match="cannot be used together"):
+        runner.parse_resource_filter(hosts, include_str="w0", exclude_str="w1")
+    assert runner._parse_hostfile(["  w1 slots=2", "# a comment", ""]) == {"w1": 2}
+    with pytest.raises(ValueError, match="listed twice"):
+        runner._parse_hostfile(["a slots=1", "a slots=2"])
+    assert runner.parse_args(["--num_gpus", "2", "train.py", "--lr", "1"]).user_args == ["--lr", "1"]

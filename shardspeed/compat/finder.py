@@ -34,12 +34,12 @@ _MISSING = object()
 _MODULE_ALIASES = {
     path: t for path, t in PATHS.items() if isinstance(t, str) and ":" not in t and not path.endswith(".*")
 }
-# "runtime.lr_schedules.*" -> the module whose public names extend `runtime.lr_schedules`
-_EXTENSIONS = {path[:-2]: t for path, t in PATHS.items() if path.endswith(".*")}
 # and the other way round, so that `shardspeed.pipe` answers `topology` from "runtime.pipe.topology"
 _ALIASED_AS: dict[str, list[str]] = {}
 for _path, _target in _MODULE_ALIASES.items():
     _ALIASED_AS.setdefault(_target, []).append(_path)
+# "runtime.lr_schedules.*" -> the module whose public names extend `runtime.lr_schedules`
+_EXTENSIONS = {path[:-2]: t for path, t in PATHS.items() if path.endswith(".*")}
 # every proper prefix of a table path: a module even where shardspeed has no file of that name
 _PREFIXES = {p.rsplit(".", i)[0] for p in PATHS for i in range(1, p.count(".") + 1)}  # "a.b.*" gives "a.b"
 _STAND_INS: dict[str, type] = {}
@@ -218,6 +218,6 @@ class CompatFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Put the finder first on sys.meta_path (once) and give the already imported `shardspeed` the fallback."""
+    """Put the finder first on sys.meta_path (once); `shardspeed/__init__.py` calls this before any import."""
     if not any(isinstance(finder, CompatFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, CompatFinder())

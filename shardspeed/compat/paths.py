@@ -225,7 +225,6 @@ PATHS: dict[str, object] = {
     "utils.set_z3_leaf_modules_by_suffix": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_suffix",
     "monitor.csv_monitor.csvMonitor": "shardspeed.monitor.csv_monitor:CsvMonitor",
     "monitor.config.DeepSpeedMonitorConfig": "shardspeed.runtime.config:DeepSpeedMonitorConfig",
-    "launcher.runner.encode_world_info": "shardspeed.launcher.hostfile:encode_world_info",
     "launcher.multinode_runner": NotOffered(
         "DeepSpeed's runner classes are internal; shardspeed's launcher builds the same backends' commands "
         "(shardspeed/launcher/multinode.py) behind the same flags",
@@ -245,6 +244,7 @@ PATHS: dict[str, object] = {
     "moe.layer.log_dist": "shardspeed.utils.logging:log_dist",
     "comm.CommsLogger": "shardspeed.comm.logger:CommsLogger",
     "comm.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "comm.inference_all_reduce": "shardspeed.comm.collectives:all_reduce",
     "comm.all_gather_object": "torch.distributed:all_gather_object",
     "comm.batch_isend_irecv": "torch.distributed:batch_isend_irecv",
     "comm.P2POp": "torch.distributed:P2POp",
@@ -282,7 +282,7 @@ _INTERNAL_NAMES = {
     "get_local_rank_from_launcher get_logged_comm_ops get_msg_size_from_args get_tensor_kwarg "
     "get_tensor_position get_world_rank_from_launcher get_world_size_from_launcher has_all_gather_into_tensor "
     "has_all_reduce_coalesced has_coalescing_manager has_comm_data has_reduce_scatter_tensor in_aml in_aws_sm "
-    "in_dlts inference_all_reduce init_deepspeed_backend initialize_mesh_device mpi_discovery "
+    "in_dlts init_deepspeed_backend initialize_mesh_device mpi_discovery "
     "patch_aml_env_for_torch_nccl_backend patch_aws_sm_env_for_torch_nccl_backend reduce_scatter_fn reset_log "
     "set_backend timed_op timers",
     "moe.utils": "configure_moe_param_groups",
