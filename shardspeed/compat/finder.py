@@ -78,11 +78,22 @@ def resolve(path: str):
     return getattr(importlib.import_module(module_name), attribute)
 
 
+def _deepspeed_paths(fullname: str) -> list[str]:
+    """The DeepSpeed paths a shardspeed module answers for: its own, and those of table aliases of it or of
+    a package above it (`shardspeed.pipe.schedule` is also `runtime.pipe.schedule`)."""
+    paths = [_relative(fullname)]
+    parts = fullname.split(".")
+    for cut in range(len(parts), 0, -1):
+        rest = ".".join(parts[cut:])
+        for alias in _ALIASED_AS.get(".".join(parts[:cut]), []):
+            paths.append(f"{alias}.{rest}" if rest else alias)
+    return paths
+
+
 def attribute_of(module: types.ModuleType, name: str):
     """`module.<name>` from the table, or a submodule not imported yet; else AttributeError."""
-    base = _relative(module.__name__)
     dunder = name.startswith("__")  # probed by tools (`__file__`, `__wrapped__`): only listed ones resolve
-    for path in [base, *_ALIASED_AS.get(module.__name__, [])]:
+    for path in _deepspeed_paths(module.__name__):
         key = f"{path}.{name}" if path else name
         value = _MISSING
         if key in PATHS:

@@ -39,10 +39,16 @@ def _message(deepspeed_path: str, reason: str) -> str:
 
 
 class _StandInMeta(type):
-    """Calling a stand-in class (to construct it, or as a function) raises NotOfferedError."""
+    """Calling a stand-in class (to construct it, or as a function) raises NotOfferedError; a name under it
+    (`helper.convert` where `helper` is a module DeepSpeed has and shardspeed does not) is a stand-in too."""
 
     def __call__(cls, *args, **kwargs):
         raise NotOfferedError(_message(cls._deepspeed_path, cls._reason))
+
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return not_offered_class(f"{cls._deepspeed_path}.{name}", cls._reason)
 
 
 def not_offered_class(deepspeed_path: str, reason: str) -> type:

@@ -94,6 +94,10 @@ PATHS: dict[str, object] = {
     "accelerator.real_accelerator": "shardspeed.accelerator",
     # -- deepspeed.ops ----------------------------------------------------------------------------------------
     "ops.__compatible_ops__": "shardspeed.ops.op_builder:COMPATIBLE_OPS",
+    "ops.op_builder.builder.OpBuilder": "shardspeed.ops.op_builder:OpBuilder",
+    "ops.op_builder.all_ops.ALL_OPS": "shardspeed.ops.op_builder:ALL_OPS",
+    "env_report": "shardspeed.launcher.report",
+    "env_report.cli_main": "shardspeed.launcher.report:main",
     "ops.transformer": NotOffered(_KERNELS, True),
     "ops.sparse_attention": NotOffered(_KERNELS, True),
     "ops.quantizer": NotOffered(_KERNELS, True),
@@ -139,9 +143,11 @@ PATHS: dict[str, object] = {
     "utils.get_tensor_model_parallel_world_size": "shardspeed.utils.groups:get_tensor_model_parallel_world_size",
     "utils.zero_to_fp32": "shardspeed.checkpoint.consolidate",
     "utils.comms_logging.CommsLogger": "shardspeed.comm.logger:CommsLogger",
-    "utils.timer.SynchronizedWallClockTimer": "shardspeed.runtime.timers:PhaseTimers",
-    "utils.timer.ThroughputTimer": "shardspeed.runtime.timers:ThroughputMeter",
     "utils.numa.parse_range_list": "shardspeed.launcher.hostfile:parse_core_list",
+    "utils.timer": NotOffered(
+        "DeepSpeed's timer classes are internal; the engine times its phases itself (wall_clock_breakdown)",
+        True,
+    ),
     "utils.link_hp_params": NotOffered(_INTERNAL),
     "utils.lazy_init_hp_params_optimizer_state": NotOffered(_INTERNAL),
     "utils.fragment_address": NotOffered(_INTERNAL),
@@ -153,6 +159,15 @@ PATHS: dict[str, object] = {
     "runtime.pipe": "shardspeed.pipe",
     "runtime.pipe.topology": "shardspeed.comm.topology",
     "runtime.pipe.dualpipev": NotOffered("the DualPipeV pipeline schedule is not built", True),
+    "runtime.pipe.schedule.BufferOpInstruction": NotOffered(
+        "the pipeline engine runs shardspeed's own instruction set (shardspeed/pipe/schedule.py); custom "
+        "buffer instructions are not supported"
+    ),
+    "runtime.state_dict_factory": NotOffered(
+        "Megatron state-dict loaders for inference are not built; init_inference loads safetensors/HF weights",
+        True,
+    ),
+    "sequence.fpdt_layer": NotOffered("FPDT (chunked long-sequence attention) layers are not built", True),
     "runtime.activation_checkpointing.checkpointing": "shardspeed.checkpointing",
     "runtime.lr_schedules.*": "shardspeed.compat.lr_schedule_keys",
     "runtime.dataloader.DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
