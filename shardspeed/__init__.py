@@ -25,9 +25,9 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 
 _finder.install()
 
-# the public API: every top-level name in the table, and the subpackages DeepSpeed users reach for
+# the public API: the top-level names the table maps (not its stand-ins), and the subpackages users reach for
 __all__ = sorted(
-    {name for name in _PATHS if "." not in name and not name.startswith("_")}
+    {name for name, target in _PATHS.items() if "." not in name and isinstance(target, str)}
     | {
         "accelerator",
         "checkpoint",
@@ -40,7 +40,7 @@ __all__ = sorted(
         "profiling",
         "runtime",
     }
-    | {"utils", "zero", "__version__"}
+    | {"checkpointing", "git_version_info", "utils", "zero", "__version__"}
 )
 
 
