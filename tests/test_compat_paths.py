@@ -268,3 +268,13 @@ def test_launcher_helpers_under_deepspeeds_names():
     with pytest.raises(ValueError, match="listed twice"):
         runner._parse_hostfile(["a slots=1", "a slots=2"])
     assert runner.parse_args(["--num_gpus", "2", "train.py", "--lr", "1"]).user_args == ["--lr", "1"]
+
+
+def test_precision_config_getters_read_the_blocks():
+    from shardspeed.config import ConfigError
+
+    precision = shardspeed.runtime.precision_config
+    assert precision.get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled  # the old key name too
+    assert not precision.get_float16_config({}).enabled
+    with pytest.raises(ConfigError, match=r"bf16\.enabled: expected a boolean"):
+        precision.get_bfloat16_config({"bf16": {"enabled": 3}})

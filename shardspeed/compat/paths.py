@@ -201,12 +201,8 @@ PATHS: dict[str, object] = {
     "runtime.config.*": "shardspeed.compat.config_names",
     "runtime.constants.*": "shardspeed.compat.config_names",
     "runtime.config.DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
-    "runtime.precision_config.get_bfloat16_config": NotOffered(
-        "DeepSpeed's per-block config getters are internal; read DeepSpeedConfig(config).bf16 instead"
-    ),
-    "runtime.precision_config.get_float16_config": NotOffered(
-        "DeepSpeed's per-block config getters are internal; read DeepSpeedConfig(config).fp16 instead"
-    ),
+    "runtime.precision_config.get_bfloat16_config": "shardspeed.runtime.config:get_bfloat16_config",
+    "runtime.precision_config.get_float16_config": "shardspeed.runtime.config:get_float16_config",
     "runtime.pipe.topology._prime_factors": "shardspeed.runtime.utils:prime_factors",
     "runtime.comm.coalesced_collectives.all_to_all_quant_reduce": NotOffered(
         "quantized all-to-all gradient reduction (ZeRO++ qgZ) is not built"

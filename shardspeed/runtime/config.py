@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from shardspeed.config import load_config
+from shardspeed.config.blocks import Bf16Config, Fp16Config
+from shardspeed.config.build import BuildContext, build_block
 from shardspeed.config.monitoring import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedMonitorConfig"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedMonitorConfig", "get_bfloat16_config", "get_float16_config"]
 
 
 @dataclass(kw_only=True)
@@ -83,3 +85,21 @@ class DeepSpeedConfig:
 
     def print(self, name: str = "DeepSpeedConfig") -> None:
         print(f"{name}: {self.loaded.to_dict()}")
+
+
+def _block(param_dict: dict, cls: type, names: tuple[str, ...]):
+    for name in names:
+        if name in param_dict:
+            return build_block(cls, param_dict[name], name, BuildContext())
+    return cls()
+
+
+def get_bfloat16_config(param_dict: dict) -> Bf16Config:
+    """DeepSpeed's `runtime.precision_config.get_bfloat16_config`: the `bf16` block (or its old name
+    `bfloat16`) of a config dict, checked as `initialize` checks it; defaults when absent."""
+    return _block(param_dict, Bf16Config, ("bf16", "bfloat16"))
+
+
+def get_float16_config(param_dict: dict) -> Fp16Config:
+    """DeepSpeed's `runtime.precision_config.get_float16_config`: the `fp16` block of a config dict."""
+    return _block(param_dict, Fp16Config, ("fp16",))
