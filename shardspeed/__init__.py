@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import warnings
 
+from shardspeed import version as _version
 from shardspeed.compat import finder as _finder
 from shardspeed.compat.paths import PATHS as _PATHS
-from shardspeed.version import __version__ as __version__
 
 # torch warns at import when NumPy is absent; NumPy is optional for torch and unused by shardspeed, so a
 # clean install would print a warning on every start. Targeted at that one message (it fires only when
@@ -24,6 +24,15 @@ from shardspeed.version import __version__ as __version__
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 _finder.install()
+
+__version__ = _version.__version__
+# DeepSpeed's top level carries these too (its tests and some tools read them)
+__version_major__, __version_minor__, __version_patch__ = (
+    _version.__version_major__,
+    _version.__version_minor__,
+    _version.__version_patch__,
+)
+__git_hash__, __git_branch__ = _version.__git_hash__, _version.__git_branch__
 
 # the public API: the top-level names the table maps (not its stand-ins), and the subpackages users reach for
 __all__ = sorted(

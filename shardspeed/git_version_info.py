@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from shardspeed.ops.op_builder import COMPATIBLE_OPS
-from shardspeed.version import __version__
+from shardspeed.version import __git_branch__, __git_hash__, __version__
 
 __all__ = [
     "accelerator_name",
@@ -23,8 +23,8 @@ __all__ = [
 ]
 
 version = __version__
-git_hash = "unknown"  # a released package, not a git checkout
-git_branch = "unknown"
+git_hash = __git_hash__
+git_branch = __git_branch__
 installed_ops = dict(COMPATIBLE_OPS)
 compatible_ops = dict(COMPATIBLE_OPS)
 

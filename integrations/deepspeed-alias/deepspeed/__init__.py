@@ -35,6 +35,8 @@ version = __version__
 __version_major__, __version_minor__, __version_patch__ = (
     int(x) for x in __version__.split("+")[0].split(".")[:3]
 )
+__git_hash__ = shardspeed.__git_hash__
+__git_branch__ = shardspeed.__git_branch__
 __path__: list[str] = []  # submodules come only from the finder below, never from files next to this one
 
 
