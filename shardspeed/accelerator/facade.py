@@ -97,6 +97,10 @@ class DeviceAccelerator:
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() if self._cuda else False
 
+    def unpin_memory(self, tensor: torch.Tensor) -> None:
+        """Nothing to do: torch frees page-locked memory with its tensor (DeepSpeed's torch backend: None)."""
+        return None
+
     # -- synchronisation and streams ---------------------------------------------------------------------
     def synchronize(self, device_index=None) -> None:
         if self._cuda:

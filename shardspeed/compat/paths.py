@@ -144,6 +144,9 @@ PATHS: dict[str, object] = {
     "utils.zero_to_fp32": "shardspeed.checkpoint.consolidate",
     "utils.comms_logging.CommsLogger": "shardspeed.comm.logger:CommsLogger",
     "utils.numa.parse_range_list": "shardspeed.launcher.hostfile:parse_core_list",
+    "utils.pin_memory": NotOffered(
+        "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()", True
+    ),
     "utils.timer": NotOffered(
         "DeepSpeed's timer classes are internal; the engine times its phases itself (wall_clock_breakdown)",
         True,
