@@ -278,3 +278,17 @@ def test_precision_config_getters_read_the_blocks():
     assert not precision.get_float16_config({}).enabled
     with pytest.raises(ConfigError, match=r"bf16\.enabled: expected a boolean"):
         precision.get_bfloat16_config({"bf16": {"enabled": 3}})
+
+
+def test_parse_range_list_is_strict_as_deepspeeds():
+    from shardspeed.utils.numa import parse_range_list
+
+    assert parse_range_list("0,2-4,6,8-9") == [0, 2, 3, 4, 6, 8, 9]
+    for bad, message in (
+        ("0,2-6,5-9", "overlaps"),
+        ("8,2-6", "precedes"),
+        ("1,6-2", "runs backwards"),
+        ("x", "not a core"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_range_list(bad)

@@ -143,7 +143,6 @@ PATHS: dict[str, object] = {
     "utils.get_tensor_model_parallel_world_size": "shardspeed.utils.groups:get_tensor_model_parallel_world_size",
     "utils.zero_to_fp32": "shardspeed.checkpoint.consolidate",
     "utils.comms_logging.CommsLogger": "shardspeed.comm.logger:CommsLogger",
-    "utils.numa.parse_range_list": "shardspeed.launcher.hostfile:parse_core_list",
     "utils.pin_memory": NotOffered(
         "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()", True
     ),
