@@ -13,15 +13,15 @@ The files are a fixed selection (FILES, each with why it is in) of what DeepSpee
 (`.github/workflows/cpu-torch-latest.yml`: `pytest --forked unit/`) runs, covering what shardspeed offers:
 the engine and its config, ZeRO, checkpoints, communication, pipeline and MoE, the launcher, activation
 checkpointing, LR schedules, the accelerator, optimizers without compiled kernels, the utils. Each file runs
-as `pytest --forked <file>`, each test under a time limit (`--test-timeout`, pytest-timeout: their harness
-waits for its rank processes without one) and each file under another (`--file-timeout`), so nothing hangs
-the run, with
+as `pytest --forked <file>`, each test under a time limit (`--test-timeout`, enforced in its forked child by
+pytest_plugins/conformance_limit.py: their harness can wait for its rank processes forever) and each file
+under another (`--file-timeout`), so nothing hangs the run, with
 `DS_ACCELERATOR=cpu` and `LOCAL_SIZE=2` (the CPU accelerator reports LOCAL_SIZE devices; the harness skips a
 test that wants more ranks than devices, so every test runs on at most 2 CPU ranks over Gloo).
 
 The two systems run in two interpreters, because the alias refuses to be importable beside DeepSpeed:
 - `--deepspeed-python`: a venv with `deepspeed==0.19.8` (DS_BUILD_OPS=0), torch 2.13.0, pytest<8.4 (pytest 8.4+
-  breaks their forked harness), pytest-forked, pytest-timeout, numpy, py-cpuinfo
+  breaks their forked harness), pytest-forked, numpy, py-cpuinfo
   (`pip install torch==2.13.0 ".[bench,conformance]"`);
 - `--shardspeed-python`: a venv with shardspeed and the `conformance` extra, and no DeepSpeed; this script
   stages the alias (integrations/deepspeed-alias) on its PYTHONPATH, as `pip install` would lay it out.
@@ -137,25 +137,24 @@ def side_environment(side: str, alias_dir: Path | None, extensions_dir: Path) ->
         # (torch waits on it forever) cannot stall this run
         TORCH_EXTENSIONS_DIR=str(extensions_dir),
     )
-    env.pop("PYTHONPATH", None)
-    if side == "shardspeed":
-        env["PYTHONPATH"] = str(alias_dir)
+    plugins = str(Path(__file__).resolve().parent / "pytest_plugins")  # the per-test limit
+    env["PYTHONPATH"] = f"{alias_dir}{os.pathsep}{plugins}" if side == "shardspeed" else plugins
     return env
 
 
 def run_file(
     python: str, tests_dir: Path, name: str, env: dict, limits: tuple[float, float], log_dir: Path
 ) -> dict:
-    """One file under pytest --forked: each test failed after `limits[0]` seconds (pytest-timeout's signal
-    method interrupts the wait for the forked test, and the file goes on; its thread method would end the
-    whole run), the whole file after `limits[1]`; then every process it left behind is killed."""
+    """One file under pytest --forked: each test's forked child ends after `limits[0]` seconds
+    (pytest_plugins/conformance_limit.py), the whole file after `limits[1]`; then every process it left
+    behind is killed."""
     test_limit, timeout = limits
     log_path = log_dir / (name.replace("/", "__") + ".log")
     junit_path = log_path.with_suffix(".xml")
     junit_path.unlink(missing_ok=True)
     command = [python, "-m", "pytest", "--forked", "-p", "no:cacheprovider", "-p", "no:randomly",
-               "-rfEs", "--tb=short", f"--junitxml={junit_path}", f"--timeout={test_limit:.0f}",
-               "--timeout_method=signal", name]  # fmt: skip
+               "-rfEs", "--tb=short", f"--junitxml={junit_path}", "-p", "conformance_limit",
+               f"--per-test-limit={test_limit:.0f}", name]  # fmt: skip
     started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -202,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--only", choices=SIDES, help="run one side; the other keeps its last results")
     parser.add_argument("--files", nargs="+", help="a subset of FILES (default: all of them)")
     parser.add_argument("--file-timeout", type=float, default=1800.0, help="seconds per file and side")
-    parser.add_argument("--test-timeout", type=float, default=240.0, help="seconds per test (pytest-timeout)")
+    parser.add_argument("--test-timeout", type=float, default=240.0, help="seconds per test")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "deepspeed_unit_tests_logs",
                         help="each file's pytest output, per side")  # fmt: skip

@@ -73,6 +73,8 @@ def parse_pytest_log(text: str) -> dict:
 
 def _reason(text: str) -> str:
     """The exception line of a failure's traceback text (`E   TypeError: ...`), else its last line."""
+    if "EXITED with status 124" in text:  # pytest_plugins/conformance_limit.py ended the test
+        return "stopped at the per-test time limit"
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line[1:].strip() for line in lines if line.startswith("E ")]
     return errors[0] if errors else (lines[-1] if lines else "")
