@@ -225,6 +225,8 @@ def test_partition_helpers_give_deepspeeds_bounds():
     assert partition_uniform(2, 4) == [0, 1, 2, 2, 2]  # fewer items than parts: the rest empty
     assert partition_balanced([0, 1, 2, 3, 3, 3], 4) == [0, 3, 4, 5, 6]
     assert partition_balanced([0.0, 1.1, 30, 3.0], 3) == [0, 2, 3, 4]
+    # the least varying split, not only the lightest heaviest part ([2, 2, 0, 1] has the same heaviest part)
+    assert partition_balanced([1, 1, 1, 1, 0, 1], 4) == [0, 1, 2, 3, 6]
     assert prefix_sum_inc([3, 4, 5]) == [3, 7, 12]
     assert prime_factors(12) == [2, 2, 3] and prime_factors(7) == [7]
 

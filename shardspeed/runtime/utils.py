@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.comm.collectives import all_gather_flat
-from shardspeed.pipe.partition import balanced_bounds, uniform_bounds
+from shardspeed.pipe.partition import uniform_bounds
 from shardspeed.utils.logging import logger
 
 __all__ = [
@@ -49,14 +49,31 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights, num_parts: int, eps: float = 1e-3) -> list[int]:
-    """`num_parts + 1` bounds of contiguous parts whose heaviest part is as light as possible.
+    """`num_parts + 1` bounds of non-empty contiguous parts whose weights vary least (the smallest sum of
+    squared part weights: DeepSpeed 0.19's rule, which also keeps the heaviest part light).
 
-    `eps` (DeepSpeed's binary-search tolerance) is accepted for its signature; the split here is exact.
+    `eps` (DeepSpeed's search tolerance) is accepted for its signature; the split here is exact. With no more
+    items than parts, one item per part (and the rest empty).
     """
     del eps
-    if len(weights) <= num_parts:
-        return partition_uniform(len(weights), num_parts)
-    return balanced_bounds(list(weights), num_parts)
+    n = len(weights)
+    if n <= num_parts:
+        return partition_uniform(n, num_parts)
+    prefix = prefix_sum_inc([0, *weights])
+    # cost[k][i]: least sum of squares splitting the first i items into k parts; cut[k][i]: where part k starts
+    cost = [[math.inf] * (n + 1) for _ in range(num_parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    cost[0][0] = 0.0
+    for k in range(1, num_parts + 1):
+        for i in range(k, n - (num_parts - k) + 1):
+            for j in range(k - 1, i):
+                candidate = cost[k - 1][j] + (prefix[i] - prefix[j]) ** 2
+                if candidate < cost[k][i]:
+                    cost[k][i], cut[k][i] = candidate, j
+    bounds = [n]
+    for k in range(num_parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
 
 
 def prime_factors(n: int) -> list[int]:
