@@ -4,65 +4,61 @@
     engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config="ds_config.json")
 
 Names are imported lazily (PEP 562): `import shardspeed` stays cheap for the launcher, which starts
-processes and must not pay for importing torch first.
+processes and must not pay for importing torch first. Where each top-level name lives, and every DeepSpeed
+import path that is not where shardspeed keeps it, is one table: shardspeed/compat/paths.py, applied to
+imports and attribute access by shardspeed/compat/finder.py (so `deepspeed.runtime.pipe.PipelineModule`
+works after a bare `import shardspeed as deepspeed`, as after `import deepspeed`).
 """
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
-from shardspeed.version import __version__ as __version__
+from shardspeed import version as _version
+from shardspeed.compat import finder as _finder
+from shardspeed.compat.paths import PATHS as _PATHS
 
 # torch warns at import when NumPy is absent; NumPy is optional for torch and unused by shardspeed, so a
 # clean install would print a warning on every start. Targeted at that one message (it fires only when
 # shardspeed is imported before torch, as the examples do).
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-# public name -> (module, attribute); an attribute of None means the module itself
-_LAZY = {
-    "CheckpointError": ("shardspeed.checkpoint.files", "CheckpointError"),
-    "ConfigError": ("shardspeed.config.errors", "ConfigError"),
-    "DeepSpeedConfigError": ("shardspeed.config.errors", "ConfigError"),
-    "DeepSpeedEngine": ("shardspeed.runtime.engine", "ShardspeedEngine"),
-    "RepeatingLoader": ("shardspeed.runtime.data", "RepeatingLoader"),
-    "ShardspeedEngine": ("shardspeed.runtime.engine", "ShardspeedEngine"),
-    "add_config_arguments": ("shardspeed.api", "add_config_arguments"),
-    "checkpointing": ("shardspeed.checkpointing", None),
-    "comm": ("shardspeed.comm", None),
-    "init_distributed": ("shardspeed.comm.init", "init_distributed"),
-    "initialize": ("shardspeed.api", "initialize"),
-    "init_inference": ("shardspeed.inference", "init_inference"),
-    "default_inference_config": ("shardspeed.inference", "default_inference_config"),
-    "InferenceEngine": ("shardspeed.inference.engine", "InferenceEngine"),
-    "tp_model_init": ("shardspeed.placeholders", "tp_model_init"),
-    "monitor": ("shardspeed.monitor", None),
-    "profiling": ("shardspeed.profiling", None),
-    "pipe": ("shardspeed.pipe", None),
-    "PipelineEngine": ("shardspeed.pipe.engine", "PipelineEngine"),
-    "zero": ("shardspeed.zero", None),
-}
+_finder.install()
 
-__all__ = sorted([*_LAZY, "__version__"])
+__version__ = _version.__version__
+# DeepSpeed's top level carries these too (its tests and some tools read them)
+__version_major__, __version_minor__, __version_patch__ = (
+    _version.__version_major__,
+    _version.__version_minor__,
+    _version.__version_patch__,
+)
+__git_hash__, __git_branch__ = _version.__git_hash__, _version.__git_branch__
+
+# the public API: the top-level names the table maps (not its stand-ins), and the subpackages users reach for
+__all__ = sorted(
+    {name for name, target in _PATHS.items() if "." not in name and isinstance(target, str)}
+    | {
+        "accelerator",
+        "checkpoint",
+        "comm",
+        "inference",
+        "moe",
+        "monitor",
+        "ops",
+        "pipe",
+        "profiling",
+        "runtime",
+    }
+    | {"checkpointing", "git_version_info", "utils", "zero", "__version__"}
+)
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
-        # Subpackages as attributes without importing them first (`deepspeed.runtime.lr_schedules`,
-        # `deepspeed.checkpointing.configure`): code written for DeepSpeed relies on a bare `import deepspeed`.
-        if not name.startswith("_"):
-            try:
-                return importlib.import_module(f"shardspeed.{name}")
-            except ModuleNotFoundError as error:
-                if error.name != f"shardspeed.{name}":
-                    raise
-        raise AttributeError(f"module 'shardspeed' has no attribute {name!r}")
-    module_name, attribute = _LAZY[name]
-    module = importlib.import_module(module_name)
-    value = module if attribute is None else getattr(module, attribute)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+    return _finder.attribute_of(_SELF, name)
 
 
 def __dir__() -> list[str]:
     return __all__
+
+
+_SELF = __import__("sys").modules[__name__]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable
 
+import torch
 from torch import Tensor, nn
 
 from shardspeed.comm.discovery import discover
@@ -16,6 +18,10 @@ from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
 from shardspeed.runtime.layout import build_parallel_grid, data_parallel_world, merge_tp_model_init
 from shardspeed.runtime.tensor_parallel import prepare_tensor_parallel
+
+# DeepSpeed's type names for the `optimizer=` / `lr_scheduler=` callables `initialize` accepts
+DeepSpeedOptimizerCallable = Callable[[Iterable[nn.Parameter] | dict[str, Iterable]], torch.optim.Optimizer]
+DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 def _config_source(args, config, config_params):

@@ -199,7 +199,7 @@ def test_warmup_unknown_type_warns_and_uses_log(caplog):
     logging.getLogger("shardspeed").propagate = True
     caplog.set_level(logging.WARNING, logger="shardspeed")
     try:
-        sched = WarmupLR(make_optimizer(), warmup_num_steps=8, warmup_type="cosine")
+        sched = WarmupLR(make_optimizer(), warmup_max_lr=0.001, warmup_num_steps=8, warmup_type="cosine")
     finally:
         logging.getLogger("shardspeed").propagate = False
     assert "warmup_type" in caplog.text and sched.warmup_type == "log"
@@ -290,7 +290,7 @@ def test_deepspeed_state_dict_without_extras_loads():
 
 def test_step_to_explicit_iteration_and_deepspeed_keyword():
     opt = make_optimizer()
-    sched = WarmupLR(opt, warmup_num_steps=10)
+    sched = WarmupLR(opt, warmup_max_lr=0.001, warmup_num_steps=10)
     sched.step(7)
     assert sched.last_batch_iteration == 7
     assert opt.param_groups[0]["lr"] == pytest.approx(warmup_lr(7, 0.0, 0.001, 10, "log"))
@@ -303,7 +303,7 @@ def test_step_to_explicit_iteration_and_deepspeed_keyword():
 
 def test_construction_at_a_later_iteration():
     opt = make_optimizer()
-    sched = WarmupLR(opt, warmup_num_steps=10, last_batch_iteration=4)
+    sched = WarmupLR(opt, warmup_max_lr=0.001, warmup_num_steps=10, last_batch_iteration=4)
     assert opt.param_groups[0]["lr"] == pytest.approx(warmup_lr(4, 0.0, 0.001, 10, "log"))
     sched.step()
     assert sched.last_batch_iteration == 5
@@ -315,7 +315,7 @@ def test_unwraps_an_optimizer_wrapper():
             self.optimizer = optimizer
 
     opt = make_optimizer()
-    sched = WarmupLR(Wrapper(opt), warmup_num_steps=4)
+    sched = WarmupLR(Wrapper(opt), warmup_max_lr=0.001, warmup_num_steps=4)
     assert sched.optimizer is opt
     sched.step(3)
     assert opt.param_groups[0]["lr"] == pytest.approx(warmup_lr(3, 0.0, 0.001, 4, "log"))
@@ -398,3 +398,50 @@ def test_tuning_arguments_to_config():
     args = parser.parse_args(["--lr_range_test_staircase", "true"])
     assert args.lr_range_test_staircase is True
     assert get_config_from_args(args) == (None, "--lr_schedule not specified on command line")
+
+
+def test_warmup_max_lr_defaults_to_each_groups_lr():
+    """DeepSpeed 0.19: without warmup_max_lr every group warms up to its own lr."""
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.2}])
+    sched = WarmupLR(opt, warmup_num_steps=10)
+    assert sched.max_lrs == [0.1, 0.2]
+    sched.step(10)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.2])
+
+
+def test_a_tensor_lr_is_filled_in_place():
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = WarmupLR(opt, warmup_num_steps=10, warmup_type="linear")
+    sched.step(5)
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.05)
+    assert sched.get_last_lr() == [pytest.approx(0.05)] and isinstance(sched.get_last_lr()[0], float)
+
+
+def test_one_cycle_stairs_per_group_momenta_and_zero_second_half():
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.001, betas=(0.9, 0.99))
+    continuous = OneCycle(opt, cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=8)
+    stairs = OneCycle(make_optimizer(), cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=8,
+                      cycle_first_stair_count=2)  # fmt: skip
+    smooth, stepped = [], []
+    for _ in range(8):
+        continuous.step()
+        stairs.step()
+        smooth.append(continuous.get_lr()[0])
+        stepped.append(stairs.get_lr()[0])
+    assert len(set(smooth)) == 8 and len(set(stepped)) == 3  # two stairs up, then the peak
+    assert stepped[0] == stepped[1] and stepped[7] == pytest.approx(0.01)
+    assert continuous.get_mom()[0] == (pytest.approx(0.8), 0.99)  # (beta1, beta2) at the peak, as DeepSpeed
+    two = torch.optim.Adam(
+        [{"params": [torch.nn.Parameter(torch.zeros(1))]}, {"params": [torch.nn.Parameter(torch.zeros(1))]}]
+    )
+    per_group = OneCycle(two, cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=5,
+                         cycle_min_mom=[0.8, 0.85], cycle_max_mom=[0.9, 0.95])  # fmt: skip
+    assert [g["betas"][0] for g in two.param_groups] == pytest.approx([0.8, 0.85])
+    flat = OneCycle(make_optimizer(), cycle_min_lr=0.001, cycle_max_lr=0.1, cycle_first_step_size=100,
+                    cycle_second_step_size=0)  # fmt: skip
+    assert flat.step_ratio == 1.0
+    with pytest.raises(ConfigError, match="cycle_max_mom"):
+        OneCycle(two, cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_max_mom=[0.9, 0.95, 0.99])
+    del per_group

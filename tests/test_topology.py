@@ -18,7 +18,9 @@ def test_rank_coordinates_round_trip_last_axis_fastest():
     assert topo.world_size() == 24
     for rank in range(24):
         assert topo.get_rank(**topo.get_coord(rank)) == rank
-    assert topo.get_coord(5) == {"pipe": 0, "data": 1, "model": 2}
+    coord = topo.get_coord(5)  # DeepSpeed's named tuple, also readable by axis name
+    assert coord == topo.ProcessCoord(0, 1, 2) and (coord.pipe, coord.data, coord.model) == (0, 1, 2)
+    assert coord["model"] == 2 and dict(**coord) == {"pipe": 0, "data": 1, "model": 2}
     assert topo.get_rank(pipe=1, data=0, model=0) == 12
     assert topo.get_axis_comm_lists("model")[0] == [0, 1, 2]
     assert topo.get_axis_comm_lists("pipe")[0] == [0, 12]
@@ -26,7 +28,7 @@ def test_rank_coordinates_round_trip_last_axis_fastest():
     assert topo.filter_match(pipe=0, model=1) == [1, 4, 7, 10]
     assert topo.get_rank_repr(5) == "model_02"
     assert topo.get_dim("expert") == 0
-    assert PipeDataParallelTopology(2, 2).get_coord(1) == {"pipe": 0, "data": 1}
+    assert PipeDataParallelTopology(2, 2).get_coord(1)._asdict() == {"pipe": 0, "data": 1}
 
 
 @pytest.mark.parametrize(

@@ -51,12 +51,26 @@ def get_accelerator():
     return current()
 
 
+def set_accelerator(accelerator) -> None:
+    """DeepSpeed's `set_accelerator`: make `accelerator` (a shardspeed accelerator object) the current one."""
+    from shardspeed.accelerator.facade import set_current
+
+    set_current(accelerator)
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether the current accelerator is one shardspeed supports: always, since it picks only CUDA or CPU."""
+    return get_accelerator().device_name() in ("cuda", "cpu")
+
+
 __all__ = [
     "default_backend",
     "device_for_local_rank",
     "get_accelerator",
     "has_cuda",
+    "is_current_accelerator_supported",
     "memory_allocated",
+    "set_accelerator",
     "set_device",
     "synchronize",
 ]

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
-__all__ = ["DeviceAccelerator", "current"]
+__all__ = ["DeviceAccelerator", "current", "set_current"]
+
+_chosen: list = []  # an accelerator object set_accelerator() installed, overriding the automatic choice
 
 
 class DeviceAccelerator:
@@ -45,7 +48,15 @@ class DeviceAccelerator:
             torch.cuda.set_device(device_index)
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else 1
+        """GPUs visible; on CPU the ranks on this node (LOCAL_SIZE from DeepSpeed's launcher and ours,
+        LOCAL_WORLD_SIZE from torchrun), as DeepSpeed's CPU accelerator counts one device per local rank."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+            value = os.environ.get(name, "")
+            if value.isdigit() and int(value) > 0:
+                return int(value)
+        return 1
 
     def is_available(self) -> bool:
         return torch.cuda.is_available() if self._cuda else True
@@ -85,6 +96,10 @@ class DeviceAccelerator:
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() if self._cuda else False
+
+    def unpin_memory(self, tensor: torch.Tensor) -> None:
+        """Nothing to do: torch frees page-locked memory with its tensor (DeepSpeed's torch backend: None)."""
+        return None
 
     # -- synchronisation and streams ---------------------------------------------------------------------
     def synchronize(self, device_index=None) -> None:
@@ -155,15 +170,11 @@ class DeviceAccelerator:
     def total_memory(self, device_index=None) -> int:
         if self._cuda:
             return torch.cuda.get_device_properties(device_index or 0).total_memory
-        import os
-
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def available_memory(self, device_index=None) -> int:
         if self._cuda:
             return torch.cuda.mem_get_info(device_index)[0]
-        import os
-
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
     # -- autocast ---------------------------------------------------------------------------------------
@@ -183,7 +194,20 @@ def _for(device_type: str) -> DeviceAccelerator:
 
 
 def current() -> DeviceAccelerator:
-    """The accelerator for this process: CUDA if `has_cuda()`, else the CPU."""
+    """The accelerator for this process: the one `set_current` installed, else CUDA if `has_cuda()`, else
+    the CPU."""
+    if _chosen:
+        return _chosen[0]
     from shardspeed.accelerator import has_cuda
 
     return _for("cuda" if has_cuda() else "cpu")
+
+
+def set_current(accelerator: DeviceAccelerator) -> None:
+    """Use `accelerator` from now on (DeepSpeed's `set_accelerator`); only shardspeed's own kinds exist."""
+    if not isinstance(accelerator, DeviceAccelerator):
+        raise TypeError(
+            f"set_accelerator: expected an accelerator from shardspeed.accelerator (cuda or cpu), got "
+            f"{type(accelerator).__name__}; other device types are not supported"
+        )
+    _chosen[:] = [accelerator]

@@ -1,8 +1,10 @@
 """Consolidation: turn a checkpoint of any ZeRO stage and world size into one full fp32 state dict.
 
 DeepSpeed's `zero_to_fp32` names (reference §3.6): `get_fp32_state_dict_from_zero_checkpoint`,
-`convert_zero_checkpoint_to_fp32_state_dict`, `load_state_dict_from_zero_checkpoint`, and a CLI with the
-same flags (`shardspeed-zero-to-fp32`, or `python -m shardspeed.checkpoint.consolidate`).
+`convert_zero_checkpoint_to_fp32_state_dict`, `load_state_dict_from_zero_checkpoint`, the file listers
+`get_optim_files` / `get_model_state_files`, and a CLI with the same flags (`shardspeed-zero-to-fp32`, or
+`python -m shardspeed.checkpoint.consolidate`). This module is also `deepspeed.utils.zero_to_fp32`
+(shardspeed/compat/paths.py), so `python -m deepspeed.utils.zero_to_fp32` runs the same CLI.
 
 The output holds every key of the model's state dict — parameters as their fp32 master values, tied aliases
 (as copies in files, shared in memory), persistent buffers (floating ones in fp32) — so
@@ -36,7 +38,10 @@ from shardspeed.checkpoint.universal import CheckpointReader
 
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_checkpoint_files",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_files",
+    "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
     "main",
     "save_safetensors",
@@ -130,6 +135,29 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
+
+
+def _natural_key(text: str) -> list:
+    """Sort key putting "rank_2" before "rank_10"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def get_checkpoint_files(checkpoint_dir, glob_pattern: str) -> list[str]:
+    """The files of `checkpoint_dir` matching `glob_pattern`, in natural order (rank 2 before rank 10)."""
+    found = sorted((str(p) for p in Path(checkpoint_dir).glob(glob_pattern)), key=_natural_key)
+    if not found:
+        raise FileNotFoundError(f"no files matching {glob_pattern!r} in {checkpoint_dir}")
+    return found
+
+
+def get_optim_files(checkpoint_dir) -> list[str]:
+    """The `*_optim_states.pt` files of a tag folder, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir) -> list[str]:
+    """The `*_model_states.pt` files of a tag folder, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
 # -- writing --------------------------------------------------------------------------------------------------

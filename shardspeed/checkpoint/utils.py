@@ -1,4 +1,6 @@
-"""`clone_tensors_for_torch_save`: DeepSpeed's helper for writing a state dict whose tensors are views.
+"""DeepSpeed's `deepspeed.checkpoint.utils`: `clone_tensors_for_torch_save` and checkpoint file names.
+
+`clone_tensors_for_torch_save` is DeepSpeed's helper for writing a state dict whose tensors are views.
 
 `torch.save` writes a view's whole storage, so a state dict of views into flat buffers (ZeRO's buckets)
 would write every buffer once per view. Accelerate calls this on `get_state_dict` before saving.
@@ -6,9 +8,18 @@ would write every buffer once per view. Accelerate calls this on `get_state_dict
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["clone_tensors_for_torch_save"]
+from shardspeed.checkpoint.files import model_states_name
+
+__all__ = ["clone_tensors_for_torch_save", "get_model_ckpt_name_for_rank"]
+
+
+def get_model_ckpt_name_for_rank(base_folder, mp_rank_str: str) -> str:
+    """The model-states file of model-parallel rank `mp_rank_str` ("00", "01", ...) in a tag folder."""
+    return os.path.join(base_folder, model_states_name(int(mp_rank_str)))
 
 
 def clone_tensors_for_torch_save(item, device: torch.device = torch.device("cpu")):  # noqa: B008 (DeepSpeed's default)

@@ -16,6 +16,8 @@ from shardspeed.comm.discovery import discover
 from shardspeed.comm.teardown import quiesce_gloo_workers
 from shardspeed.utils.logging import logger
 
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # DeepSpeed's name for the default MASTER_PORT
+
 
 def default_timeout() -> timedelta:
     """30 minutes, or `DEEPSPEED_TIMEOUT` / `SHARDSPEED_TIMEOUT` minutes when set (as DeepSpeed reads it)."""

@@ -18,6 +18,7 @@ secondary partition groups.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 
@@ -41,6 +42,24 @@ __all__ = [
 KNOWN_AXES = ("pipe", "data", "model", "expert", "sequence")
 
 
+def _coord_class(axes: list[str]) -> type:
+    """A named tuple of the axes that also reads as a mapping {axis: index} (for `**coord`, `coord[axis]`)."""
+
+    class ProcessCoord(collections.namedtuple("ProcessCoord", axes)):
+        __slots__ = ()
+
+        def __getitem__(self, key):
+            return getattr(self, key) if isinstance(key, str) else super().__getitem__(key)
+
+        def keys(self):
+            return self._fields
+
+        def get(self, key: str, default=None):
+            return getattr(self, key, default)
+
+    return ProcessCoord
+
+
 class ProcessTopology:
     """A Cartesian grid of ranks: `axes` names, `dims` degrees; rank = row-major index (last axis fastest)."""
 
@@ -55,6 +74,7 @@ class ProcessTopology:
             raise ValueError(f"ProcessTopology: every degree must be >= 1, got {', '.join(bad)}")
         self.axes = axes
         self.dims = dims
+        self.ProcessCoord = _coord_class(axes)  # DeepSpeed's name for the coordinate type of this grid
         # strides[i]: how far apart in rank two neighbours along axis i are
         self._strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
 
@@ -80,13 +100,11 @@ class ProcessTopology:
             rank += c * stride
         return rank
 
-    def get_coord(self, rank: int) -> dict[str, int]:
-        """Coordinates of `rank` as {axis: index}."""
+    def get_coord(self, rank: int):
+        """Coordinates of `rank`: `coord.pipe`, as DeepSpeed's named tuple, and `coord["pipe"]` / `**coord`."""
         if not 0 <= rank < self.world_size():
             raise ValueError(f"rank {rank} is outside the topology's world of {self.world_size()}")
-        return {
-            axis: (rank // stride) % dim for axis, dim, stride in zip(self.axes, self.dims, self._strides)
-        }
+        return self.ProcessCoord(*((rank // stride) % dim for dim, stride in zip(self.dims, self._strides)))
 
     def get_rank_repr(
         self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-"

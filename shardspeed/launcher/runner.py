@@ -22,8 +22,10 @@ from shardspeed.launcher import LauncherError, log
 from shardspeed.launcher.env import exported_env, read_env_files
 from shardspeed.launcher.hostfile import (
     Resources,
+    apply_filters,
     check_host_name,
     encode_world_info,
+    parse_hostfile_text,
     read_hostfile,
     select_resources,
 )
@@ -76,6 +78,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("user_script", help="the training script (or module with --module)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, passed untouched")
     return p
+
+
+def parse_resource_filter(host_info: Resources, include_str: str = "", exclude_str: str = "") -> Resources:
+    """DeepSpeed's name: `host_info` ({host: [slots]}) narrowed by an --include or --exclude string.
+
+    A ValueError names a bad filter (unknown host or slot, both given, bad syntax); a filter that leaves
+    nothing gives {} here, while the launcher itself refuses to start with no slots.
+    """
+    try:
+        return apply_filters(dict(host_info), include_str, exclude_str)
+    except LauncherError as error:
+        if "leave no slots" in str(error):
+            return {}
+        raise ValueError(str(error)) from None
+
+
+def _parse_hostfile(lines: list[str]) -> dict[str, int]:
+    """DeepSpeed's helper: {host: slot count} from hostfile lines; a ValueError names the bad line."""
+    try:
+        return parse_hostfile_text("\n".join(lines))
+    except LauncherError as error:
+        raise ValueError(str(error)) from None
+
+
+def parse_args(args: list[str] | None = None) -> argparse.Namespace:
+    """The launcher's flags parsed (DeepSpeed's `deepspeed.launcher.runner.parse_args`)."""
+    return build_parser().parse_args(args)
 
 
 def check_flags(args: argparse.Namespace) -> None:

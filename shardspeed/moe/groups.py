@@ -19,7 +19,14 @@ import torch.distributed as dist
 
 from shardspeed.comm.collectives import all_gather_strings, comm_device
 
-__all__ = ["ExpertGroup", "ExpertGroups", "build_expert_groups", "data_parallel_slices", "latest"]
+__all__ = [
+    "ExpertGroup",
+    "ExpertGroups",
+    "build_expert_groups",
+    "data_parallel_slices",
+    "expert_parallel_ranks",
+    "latest",
+]
 
 
 @dataclass
@@ -97,14 +104,57 @@ def build_expert_groups(ep_sizes, mpu=None) -> ExpertGroups:
         if name in built.by_name:
             continue
         mine: dict = {}
-        for ranks in slices:
-            for j in range(dp_world // ep):
-                _new_group(ranks[j * ep : (j + 1) * ep], me, mine, "ep")
-            for i in range(ep):
-                _new_group(ranks[i::ep], me, mine, "edp")
+        ep_groups, edp_groups = _cut(slices, ep)
+        for ranks in ep_groups:
+            _new_group(ranks, me, mine, "ep")
+        for ranks in edp_groups:
+            _new_group(ranks, me, mine, "edp")
         built.by_name[name] = ExpertGroup(name, ep, *mine["ep"], *mine["edp"], dp_world)
     _latest = built
     return built
+
+
+def _cut(slices: list[list[int]], ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Expert-parallel groups (consecutive `ep` ranks of each data slice) and expert-data-parallel groups
+    (every `ep`-th rank of each data slice)."""
+    ep_groups = [ranks[j * ep : (j + 1) * ep] for ranks in slices for j in range(len(ranks) // ep)]
+    edp_groups = [ranks[i::ep] for ranks in slices for i in range(ep)]
+    return ep_groups, edp_groups
+
+
+def expert_parallel_ranks(
+    world_size: int,
+    tensor_parallel_size_: int,
+    expert_parallel_size_: int,
+    pipeline_parallel_size_: int = 1,
+    use_data_before_expert_parallel_: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert-parallel and expert-data-parallel rank lists of a layout, without creating groups.
+
+    DeepSpeed's `utils.groups._get_expert_parallel_ranks`: ranks are pipeline-major with tensor ranks
+    neighbours, so each data slice is one pipeline stage's ranks of one tensor position; the cut is the one
+    `build_expert_groups` makes.
+    """
+    if use_data_before_expert_parallel_:
+        raise ValueError(
+            "use_data_before_expert_parallel_: not supported (expert ranks are cut data-slice first)"
+        )
+    stage = world_size // pipeline_parallel_size_
+    if stage * pipeline_parallel_size_ != world_size or stage % tensor_parallel_size_:
+        raise ValueError(
+            f"world_size {world_size} is not a multiple of pipeline {pipeline_parallel_size_} x tensor "
+            f"{tensor_parallel_size_}"
+        )
+    slices = [
+        list(range(start + t, start + stage, tensor_parallel_size_))
+        for start in range(0, world_size, stage)
+        for t in range(tensor_parallel_size_)
+    ]
+    if len(slices[0]) % expert_parallel_size_:
+        raise ValueError(
+            f"expert_parallel_size_ {expert_parallel_size_} must divide the data-parallel size {len(slices[0])}"
+        )
+    return _cut(slices, expert_parallel_size_)
 
 
 def _new_group(ranks: list[int], me: int, mine: dict, kind: str) -> None:

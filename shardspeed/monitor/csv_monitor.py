@@ -17,6 +17,8 @@ def csv_path(log_dir: str, name: str) -> str:
 
 class CsvMonitor:
     def __init__(self, block):
+        # the block's settings under DeepSpeed's attribute names (code reads monitor.enabled, .job_name)
+        self.enabled, self.output_path, self.job_name = block.enabled, block.output_path, block.job_name
         self.log_dir = os.path.join(block.output_path or ".", block.job_name)
         os.makedirs(self.log_dir, exist_ok=True)
         self._started: set[str] = set()

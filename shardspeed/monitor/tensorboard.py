@@ -16,6 +16,8 @@ class TensorBoardMonitor:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise missing_extra("tensorboard", "tensorboard", "tensorboard") from err
+        # the block's settings under DeepSpeed's attribute names (code reads monitor.enabled, .job_name)
+        self.enabled, self.output_path, self.job_name = block.enabled, block.output_path, block.job_name
         self.log_dir = os.path.join(block.output_path or ".", block.job_name)
         os.makedirs(self.log_dir, exist_ok=True)
         self.writer = SummaryWriter(log_dir=self.log_dir)

@@ -17,6 +17,13 @@ class WandbMonitor:
             import wandb
         except ImportError as err:
             raise missing_extra("wandb", "wandb", "wandb") from err
+        # the block's settings under DeepSpeed's attribute names
+        self.enabled, self.group, self.team, self.project = (
+            block.enabled,
+            block.group,
+            block.team,
+            block.project,
+        )
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(project=block.project, group=block.group, entity=block.team, mode=mode)
 

@@ -92,6 +92,14 @@ def _warmup_fraction(warmup_type: str, t: int, warmup_steps: int) -> float:
     return t / warmup_steps
 
 
+def _stair(fraction: float, stairs: int | None) -> float:
+    """`fraction` (0..1 of a half cycle) held flat over `stairs` equal steps (0 or None: continuous). The
+    tolerance keeps a fraction that lands on a stair edge (1.0 at the peak) from rounding down a stair."""
+    if not stairs:
+        return fraction
+    return math.floor(fraction * stairs + 1e-9) / stairs
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer itself, looking through a wrapper that exposes it as `.optimizer`."""
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -133,9 +141,13 @@ class _Schedule:
         self._apply()
 
     def _apply(self) -> None:
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        lrs = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            if torch.is_tensor(group["lr"]):  # a tensor lr (for compiled steps) is filled in place: the
+                group["lr"].fill_(float(lr))  # optimizer and the caller keep holding the same tensor
+            else:
+                group["lr"] = lr
+        self._last_lr = [float(lr) for lr in lrs]
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_batch_iteration": self.last_batch_iteration}
@@ -178,8 +190,9 @@ class OneCycle(_Schedule):
     """1Cycle: lr rises min→max over `cycle_first_step_size` iterations and falls back over
     `cycle_second_step_size`, then decays as `min_lr / (1 + decay_lr_rate * d / decay_step_size)`.
     With `cycle_momentum`, beta1 (or `momentum`) moves the opposite way between `cycle_max_mom` and
-    `cycle_min_mom`, then grows as `max_mom * (1 + decay_mom_rate * d / decay_step_size)`.
-    The stair-count arguments are accepted and, as in DeepSpeed, unused."""
+    `cycle_min_mom`, then grows as `max_mom * (1 + decay_mom_rate * d / decay_step_size)`. Lrs and momenta
+    may be per-group lists. `cycle_first_stair_count` / `cycle_second_stair_count` hold each half's value
+    flat over that many equal stairs (0: continuous). A second half of 0 iterations is allowed."""
 
     def __init__(
         self,
@@ -201,7 +214,7 @@ class OneCycle(_Schedule):
         super().__init__(optimizer, last_batch_iteration)
         first = _number("cycle_first_step_size", cycle_first_step_size, positive=True)
         second = first if cycle_second_step_size is None else cycle_second_step_size
-        second = _number("cycle_second_step_size", second, positive=True)
+        second = _number("cycle_second_step_size", second)
         self.total_size = first + second
         self.step_ratio = first / self.total_size
         self.first_stair_count = cycle_first_stair_count
@@ -212,8 +225,8 @@ class OneCycle(_Schedule):
         self.min_lrs = _per_group(self.optimizer, "cycle_min_lr", cycle_min_lr)
         self.max_lrs = _per_group(self.optimizer, "cycle_max_lr", cycle_max_lr)
         self.decay_lr_rate = _number("decay_lr_rate", decay_lr_rate, minimum=None)
-        self.min_mom = _number("cycle_min_mom", cycle_min_mom)
-        self.max_mom = _number("cycle_max_mom", cycle_max_mom)
+        self.min_moms = _per_group(self.optimizer, "cycle_min_mom", cycle_min_mom)
+        self.max_moms = _per_group(self.optimizer, "cycle_max_mom", cycle_max_mom)
         self.decay_mom_rate = _number("decay_mom_rate", decay_mom_rate, minimum=None)
         self.skip_lr_decay = self.decay_step_size == 0 or self.decay_lr_rate == 0
         self.skip_mom_decay = self.decay_step_size == 0 or self.decay_mom_rate == 0
@@ -222,7 +235,7 @@ class OneCycle(_Schedule):
         self._apply()
         if self.last_batch_iteration == -1 and self.cycle_momentum:
             # As DeepSpeed: the optimizer starts at the *minimum* momentum, before the first step().
-            self._write_momentum([self.min_mom] * len(self.optimizer.param_groups))
+            self._write_momentum(list(self.min_moms))
 
     def _momentum_key(self) -> str | None:
         defaults = self.optimizer.defaults
@@ -240,8 +253,8 @@ class OneCycle(_Schedule):
         iteration = self.last_batch_iteration + 1
         x = 1.0 + iteration / self.total_size - math.floor(1.0 + iteration / self.total_size)
         if x <= self.step_ratio:
-            return x / self.step_ratio
-        return (x - 1.0) / (self.step_ratio - 1.0)
+            return _stair(x / self.step_ratio, self.first_stair_count)
+        return 1.0 - _stair((x - self.step_ratio) / (1.0 - self.step_ratio), self.second_stair_count)
 
     def _decay_interval(self) -> float:
         return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
@@ -255,16 +268,23 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_lr_rate * self._decay_interval()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """beta1 (or momentum) of every group at the current iteration; None without momentum cycling."""
+    def _momenta(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale_factor()
+            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
+        if self.skip_mom_decay:
+            return list(self.max_moms)
+        return [hi * (1.0 + self.decay_mom_rate * self._decay_interval()) for hi in self.max_moms]
+
+    def get_mom(self) -> list | None:
+        """Every group's momentum at the current iteration, as DeepSpeed reports it: `(beta1, beta2)` for
+        Adam-style optimizers, the `momentum` value otherwise; None without momentum cycling."""
         if not self.cycle_momentum:
             return None
-        groups = len(self.optimizer.param_groups)
-        if self.last_batch_iteration < self.total_size:
-            return [self.max_mom - (self.max_mom - self.min_mom) * self._scale_factor()] * groups
-        if self.skip_mom_decay:
-            return [self.max_mom] * groups
-        return [self.max_mom * (1.0 + self.decay_mom_rate * self._decay_interval())] * groups
+        momenta = self._momenta()
+        if self.momentum_key == "betas":
+            return [(m, group["betas"][1]) for m, group in zip(momenta, self.optimizer.param_groups)]
+        return momenta
 
     def _write_momentum(self, momenta: list[float]) -> None:
         for group, momentum in zip(self.optimizer.param_groups, momenta):
@@ -275,25 +295,27 @@ class OneCycle(_Schedule):
 
     def _apply(self) -> None:
         super()._apply()
-        momenta = self.get_mom()
-        if momenta is not None:
-            self._write_momentum(momenta)
+        if self.cycle_momentum:
+            self._write_momentum(self._momenta())
 
 
 class WarmupLR(_Schedule):
     """Warm-up from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps` (at least 2) iterations,
-    logarithmic (`ln(t+1)/ln(W)`) or linear (`t/W`), then constant. Min and max may be per-group lists."""
+    logarithmic (`ln(t+1)/ln(W)`) or linear (`t/W`), then constant. Min and max may be per-group lists;
+    without `warmup_max_lr` each group warms up to its own lr (as DeepSpeed 0.19)."""
 
     def __init__(
         self,
         optimizer,
         warmup_min_lr: float | list[float] = 0.0,
-        warmup_max_lr: float | list[float] = 0.001,
+        warmup_max_lr: float | list[float] | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = WARMUP_LOG_RATE,
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
+        if warmup_max_lr is None:  # DeepSpeed 0.19: each group warms up to its own lr
+            warmup_max_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.min_lrs = _per_group(self.optimizer, "warmup_min_lr", warmup_min_lr)
         self.max_lrs = _per_group(self.optimizer, "warmup_max_lr", warmup_max_lr)
         self.delta_lrs = [hi - lo for lo, hi in zip(self.min_lrs, self.max_lrs)]
@@ -375,7 +397,7 @@ class WarmupCosineLR(_Schedule):
                 f"WarmupCosineLR: total_num_steps {self.total_num_steps} is less than "
                 f"warmup_num_steps {self.warmup_num_steps}"
             )
-        self.org_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.org_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self._apply()
 
     def get_lr_ratio(self) -> float:

@@ -1,27 +1,12 @@
-"""Small helpers shared across the package (logging), and DeepSpeed's `utils` names integrations import."""
+"""Small helpers shared across the package (logging, process groups, z3 leaf marks, ...).
 
-from shardspeed.utils.logging import log_dist, logger
-from shardspeed.utils.z3_leaf_module import (
-    get_z3_leaf_modules,
-    set_z3_leaf_modules,
-    unset_z3_leaf_modules,
-    z3_leaf_module,
-)
+DeepSpeed's `deepspeed.utils` names that live elsewhere in shardspeed (`safe_get_full_grad`, `logger`,
+`RepeatingLoader`, ...) come from the path table (shardspeed/compat/paths.py); nothing heavy is imported
+here, so the launcher, which imports `shardspeed.utils.logging`, does not pay for torch.
+"""
 
-__all__ = [
-    "RepeatingLoader",
-    "get_z3_leaf_modules",
-    "log_dist",
-    "logger",
-    "set_z3_leaf_modules",
-    "unset_z3_leaf_modules",
-    "z3_leaf_module",
-]
+# `utils.z3_leaf_module` names both a submodule and, in DeepSpeed, the function in it: bind the function
+# here, as DeepSpeed's package does, so that importing the submodule does not leave the module in its place.
+from shardspeed.utils.z3_leaf_module import z3_leaf_module
 
-
-def __getattr__(name: str):
-    if name == "RepeatingLoader":  # lazily: runtime.data imports torch, which the launcher must not pay for
-        from shardspeed.runtime.data import RepeatingLoader
-
-        return RepeatingLoader
-    raise AttributeError(f"module 'shardspeed.utils' has no attribute {name!r}")
+__all__ = ["z3_leaf_module"]

@@ -33,3 +33,24 @@ def log_dist(message: str, ranks: list[int] | None = (0,), level: int = logging.
     """Log `message` on the given global ranks only (`None` or `[-1]` means every rank)."""
     if ranks is None or -1 in ranks or _rank() in ranks:
         logger.log(level, f"[rank {_rank()}] {message}" if ranks is None or -1 in ranks else message)
+
+
+_logged_once: set[tuple[str, tuple | None, int]] = set()
+
+
+def log_dist_once(message: str, ranks: list[int] | None = (0,), level: int = logging.INFO) -> None:
+    """`log_dist`, but each distinct (message, ranks, level) only the first time (DeepSpeed's name)."""
+    key = (message, tuple(ranks) if ranks is not None else None, level)
+    if key not in _logged_once:
+        _logged_once.add(key)
+        log_dist(message, ranks, level)
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger | None = None) -> None:
+    """Set the package logger's (or `custom_logger`'s) level from a name: "debug", "info", "WARNING", ..."""
+    level = logging.getLevelName(str(log_level_str).upper())
+    if not isinstance(level, int):
+        raise ValueError(
+            f"log level {log_level_str!r}: expected one of debug, info, warning, error, critical"
+        )
+    (custom_logger or logger).setLevel(level)

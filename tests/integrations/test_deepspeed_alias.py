@@ -53,6 +53,21 @@ CHECK_NAMES = textwrap.dedent(
     assert zero.Init is shardspeed.zero.Init and GatheredParameters is shardspeed.zero.GatheredParameters
     assert "WarmupDecayLR" in VALID_LR_SCHEDULES and DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
     assert deepspeed.utils.logging.logger is logger  # attribute access after a bare `import deepspeed`
+    # DeepSpeed paths that are not where shardspeed keeps them (shardspeed/compat/paths.py), by attribute
+    assert deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer is not None
+    assert deepspeed.runtime.pipe.module.PipelineModule is shardspeed.pipe.PipelineModule
+    assert deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.__name__
+    assert deepspeed.utils.safe_get_local_grad is shardspeed.utils.safe_get_local_grad
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from deepspeed.git_version_info import torch_info
+    from deepspeed.accelerator import is_current_accelerator_supported
+    from deepspeed.utils.torch import required_torch_version
+    from deepspeed import OnDevice
+    assert CPUAdamBuilder().is_compatible() and required_torch_version(min_version=2.0)
+    import deepspeed.runtime.pipe.topology as topology
+    assert topology is shardspeed.comm.topology and sys.modules["deepspeed.runtime.pipe"] is shardspeed.pipe
     assert deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES is VALID_LR_SCHEDULES
     acc = get_accelerator()
     assert acc.device_name() == "cpu" and acc.communication_backend_name() == "gloo" and acc.is_available()
@@ -88,6 +103,15 @@ def test_every_deepspeed_module_is_the_shardspeed_module(tmp_path):
     proc = _python(f"VERSION = {alias_version()!r}\n" + CHECK_NAMES, env_with_alias(tmp_path / "site"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ALIAS OK" in proc.stdout
+
+
+def test_python_dash_m_runs_a_deepspeed_module_path(tmp_path):
+    """`python -m deepspeed.utils.zero_to_fp32` (as DeepSpeed's docs say) runs shardspeed's consolidation CLI."""
+    env = {**env_with_alias(tmp_path / "site"), "SHARDSPEED_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32", "--help"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "checkpoint_dir" in proc.stdout and "--max_shard_size" in proc.stdout
 
 
 def test_real_deepspeed_also_on_the_path_is_refused(tmp_path):

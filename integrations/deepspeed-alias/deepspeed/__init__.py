@@ -35,6 +35,8 @@ version = __version__
 __version_major__, __version_minor__, __version_patch__ = (
     int(x) for x in __version__.split("+")[0].split(".")[:3]
 )
+__git_hash__ = shardspeed.__git_hash__
+__git_branch__ = shardspeed.__git_branch__
 __path__: list[str] = []  # submodules come only from the finder below, never from files next to this one
 
 
@@ -73,6 +75,10 @@ class _AliasLoader(importlib.abc.Loader):
         # ... but always sets `__spec__` to the alias's spec: give the module its own back, so that
         # `shardspeed.X.__spec__.name` stays "shardspeed.X" (reload, pickling by module, tools reading specs).
         module.__spec__ = self.original_spec
+
+    def get_code(self, fullname):
+        """`python -m deepspeed.X` (runpy): the code of the shardspeed module, run as `__main__`."""
+        return self.original_spec.loader.get_code(self.original_spec.name)
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):

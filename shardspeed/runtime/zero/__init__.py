@@ -1,10 +1,4 @@
-"""DeepSpeed's `deepspeed.runtime.zero` path: the same `Init` and `GatheredParameters` as `shardspeed.zero`.
-
-Integrations import ZeRO from here (`deepspeed.runtime.zero.GatheredParameters`,
-`deepspeed.runtime.zero.partition_parameters`); the implementation lives in `shardspeed/zero/`.
+"""DeepSpeed's `deepspeed.runtime.zero` path. ZeRO itself lives in `shardspeed/zero/`; the names DeepSpeed
+has here (`Init`, `GatheredParameters`, `stage3.DeepSpeedZeroOptimizer_Stage3`, `config.DeepSpeedZeroConfig`, ...)
+come from the path table (shardspeed/compat/paths.py). partition_parameters.py holds the names code patches.
 """
-
-from shardspeed.runtime.zero import partition_parameters
-from shardspeed.zero import GatheredParameters, Init
-
-__all__ = ["GatheredParameters", "Init", "partition_parameters"]

@@ -23,6 +23,7 @@ __all__ = [
     "ZeroParamType",
     "get_accelerator",
     "is_zero_param",
+    "partitioned_param_data_shape",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
 
@@ -47,3 +48,7 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_devi
 def is_zero_param(parameter) -> bool:
     """True for a parameter partitioned by `zero.Init` or managed by a ZeRO-3 engine."""
     return is_partitioned(parameter) or getattr(parameter, "_shardspeed_unit", None) is not None
+
+
+# The shape of a partitioned parameter's `.data` outside a gather (its values live in the shard).
+partitioned_param_data_shape = [0]

@@ -1,0 +1,85 @@
+"""Stand-ins for DeepSpeed names shardspeed does not offer: importable, and an error naming them when used.
+
+DeepSpeed code often imports far more than it uses (a test file imports the autotuner next to the engine; a
+training script imports `DeepSpeedTransformerLayer` behind a flag). So a name we do not offer still
+imports: it resolves to a stand-in class, and constructing or calling it raises `NotOfferedError`, which
+says which DeepSpeed name it was and why shardspeed has no counterpart. No object is ever an instance of a
+stand-in, so `isinstance` checks against one answer False, as they should.
+"""
+
+from __future__ import annotations
+
+import types
+
+__all__ = ["NotOffered", "NotOfferedError", "not_offered_class", "not_offered_module"]
+
+
+class NotOfferedError(NotImplementedError):
+    """A DeepSpeed name shardspeed does not offer was used (the message names it and says why)."""
+
+
+class NotOffered:
+    """A table entry (shardspeed/compat/paths.py): this DeepSpeed path is not offered, for `reason`.
+
+    `module=True`: the path is a module (it and everything under it import as stand-ins); otherwise a name.
+    """
+
+    __slots__ = ("module", "reason")
+
+    def __init__(self, reason: str, module: bool = False) -> None:
+        self.reason = reason
+        self.module = module
+
+    def __repr__(self) -> str:
+        return f"NotOffered({self.reason!r}, module={self.module})"
+
+
+def _message(deepspeed_path: str, reason: str) -> str:
+    return f"deepspeed.{deepspeed_path} is not offered by shardspeed: {reason}"
+
+
+class _StandInMeta(type):
+    """Calling a stand-in class (to construct it, or as a function) raises NotOfferedError; a name under it
+    (`helper.convert` where `helper` is a module DeepSpeed has and shardspeed does not) is a stand-in too."""
+
+    def __call__(cls, *args, **kwargs):
+        raise NotOfferedError(_message(cls._deepspeed_path, cls._reason))
+
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return not_offered_class(f"{cls._deepspeed_path}.{name}", cls._reason)
+
+
+def not_offered_class(deepspeed_path: str, reason: str) -> type:
+    """A class named as the DeepSpeed name whose construction (or call) raises NotOfferedError."""
+    name = deepspeed_path.rsplit(".", 1)[-1]
+    namespace = {
+        "_deepspeed_path": deepspeed_path,
+        "_reason": reason,
+        "__doc__": _message(deepspeed_path, reason),
+        "__module__": "shardspeed.compat.not_offered",
+        "__qualname__": name,
+    }
+    return _StandInMeta(name, (), namespace)
+
+
+class NotOfferedModule(types.ModuleType):
+    """A DeepSpeed module shardspeed does not offer: it imports, and each public name in it is a stand-in."""
+
+    def __init__(self, name: str, deepspeed_path: str, reason: str) -> None:
+        super().__init__(name, _message(deepspeed_path, reason))
+        self._deepspeed_path = deepspeed_path
+        self._reason = reason
+        self.__path__ = []  # submodules are stand-ins too (the finder answers them)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)  # tools probe dunders (`__file__`, `__wrapped__`): plain absence
+        stand_in = not_offered_class(f"{self._deepspeed_path}.{name}", self._reason)
+        setattr(self, name, stand_in)
+        return stand_in
+
+
+def not_offered_module(name: str, deepspeed_path: str, reason: str) -> NotOfferedModule:
+    return NotOfferedModule(name, deepspeed_path, reason)

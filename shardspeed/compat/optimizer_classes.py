@@ -1,0 +1,106 @@
+"""DeepSpeed's optimizer-wrapper classes as `isinstance` checks over the wrappers shardspeed's engine builds.
+
+DeepSpeed returns a different wrapper class per configuration, and user code (and DeepSpeed's own tests)
+branch on it: `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)`. shardspeed has one wrapper
+for stage 0 (`DataParallelOptimizer`) and one for stages 1-3 (`ZeroOptimizer`), each knowing its stage and
+precision, so each DeepSpeed class here is a check of those facts, true exactly where DeepSpeed 0.19.8
+would have built that class:
+
+| DeepSpeed class | shardspeed wrapper, when |
+|---|---|
+| `runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3` | `ZeroOptimizer` at stage 3 |
+| `runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` | `ZeroOptimizer` at stage 1 or 2 |
+| `runtime.fp16.fused_optimizer.FP16_Optimizer` | stage 0, fp16, an Adam-family optimizer |
+| `runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer` | stage 0, fp16 with another optimizer (Lamb, ...), or bf16 accumulating in bf16 |
+| `runtime.bf16_optimizer.BF16_Optimizer` | stage 0, bf16, gradients accumulated in fp32 |
+
+The checks follow what shardspeed's wrapper does: at stage 0 with bf16, gradients accumulate in fp32 unless
+`data_types.grad_accum_dtype` says bf16, so that configuration is a `BF16_Optimizer` (DeepSpeed 0.19.8
+accumulates in bf16 there and builds an `FP16_UnfusedOptimizer`). The wrappers are built by `initialize`;
+constructing one of these classes directly raises NotOfferedError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardspeed.compat.not_offered import NotOfferedError
+
+__all__ = [
+    "BF16Optimizer",
+    "FP16Optimizer",
+    "FP16UnfusedOptimizer",
+    "ZeroStage3Optimizer",
+    "ZeroStage12Optimizer",
+]
+
+
+class _WrapperCheck(type):
+    """`isinstance(x, cls)` asks `cls.matches(x)`; calling `cls(...)` is refused (initialize builds wrappers)."""
+
+    def __instancecheck__(cls, instance) -> bool:
+        return cls.matches(instance)
+
+    def __call__(cls, *args, **kwargs):
+        raise NotOfferedError(
+            f"deepspeed's {cls.deepspeed_name} is not constructed directly in shardspeed: deepspeed.initialize "
+            f"builds the optimizer wrapper (engine.optimizer), and isinstance(engine.optimizer, "
+            f"{cls.__name__}) tells whether it is this kind"
+        )
+
+
+def _stage(wrapper) -> int | None:
+    from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
+
+    return wrapper.zero_stage if isinstance(wrapper, OptimizerWrapper) else None
+
+
+def _dtypes(wrapper) -> tuple[torch.dtype, torch.dtype]:
+    return wrapper.plan.param_dtype, wrapper.plan.grad_accum_dtype
+
+
+def _adam_family(wrapper) -> bool:
+    return isinstance(wrapper.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+class ZeroStage3Optimizer(metaclass=_WrapperCheck):
+    deepspeed_name = "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+
+    @staticmethod
+    def matches(wrapper) -> bool:
+        return _stage(wrapper) == 3
+
+
+class ZeroStage12Optimizer(metaclass=_WrapperCheck):
+    deepspeed_name = "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
+
+    @staticmethod
+    def matches(wrapper) -> bool:
+        return _stage(wrapper) in (1, 2)
+
+
+class FP16Optimizer(metaclass=_WrapperCheck):
+    deepspeed_name = "runtime.fp16.fused_optimizer.FP16_Optimizer"
+
+    @staticmethod
+    def matches(wrapper) -> bool:
+        return _stage(wrapper) == 0 and _dtypes(wrapper)[0] == torch.float16 and _adam_family(wrapper)
+
+
+class FP16UnfusedOptimizer(metaclass=_WrapperCheck):
+    deepspeed_name = "runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer"
+
+    @staticmethod
+    def matches(wrapper) -> bool:
+        if _stage(wrapper) != 0:
+            return False
+        param, accum = _dtypes(wrapper)
+        return (param == torch.float16 and not _adam_family(wrapper)) or (param == accum == torch.bfloat16)
+
+
+class BF16Optimizer(metaclass=_WrapperCheck):
+    deepspeed_name = "runtime.bf16_optimizer.BF16_Optimizer"
+
+    @staticmethod
+    def matches(wrapper) -> bool:
+        return _stage(wrapper) == 0 and _dtypes(wrapper) == (torch.bfloat16, torch.float32)

@@ -1,0 +1,321 @@
+"""THE table of DeepSpeed import paths that are not where shardspeed keeps them, and where each one goes.
+
+Keys are DeepSpeed paths relative to `deepspeed` (`"runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"`,
+`"utils.safe_get_full_grad"`, `"initialize"`); a path that is the same in both packages (`zero.Init`,
+`moe.layer.MoE`) needs no entry, since `deepspeed.X` is `shardspeed.X`. Values:
+
+- `"shardspeed.pipe"`: that module itself, under the DeepSpeed name too (its submodules follow it);
+- `"shardspeed.zero.api:safe_get_full_grad"`: that attribute;
+- `"*"` keys: `"runtime.lr_schedules.*": "shardspeed.compat.lr_schedule_keys"` adds that module's public names
+  to the module at the path (names the real module lacks);
+- `NotOffered(reason)`: a name shardspeed does not offer; it imports, and using it raises `NotOfferedError`
+  saying why (`module=True`: a whole module and everything under it).
+
+The finder (finder.py) applies the table to imports and to attribute access, for `import shardspeed as
+deepspeed` users and, through the `deepspeed` alias, for `import deepspeed` users alike. tests/test_compat_paths.py
+imports every entry. docs/compatibility.md ("Import paths") explains the groups below.
+"""
+
+from __future__ import annotations
+
+from shardspeed.compat.not_offered import NotOffered
+
+__all__ = ["PATHS"]
+
+_KERNELS = (
+    "it is a compiled CUDA kernel; shardspeed compiles nothing (the model's own modules run as written)"
+)
+_INTERNAL = (
+    "a DeepSpeed-internal helper with no counterpart in shardspeed's design; the public accessors "
+    "(deepspeed.utils.safe_get_*/safe_set_*) and engine methods cover what users do with it"
+)
+_NOT_BUILT = "this feature is not built in shardspeed yet (docs/compatibility.md lists what is)"
+
+PATHS: dict[str, object] = {
+    # -- top-level names (`deepspeed.X`) -----------------------------------------------------------------
+    "initialize": "shardspeed.api:initialize",
+    "add_config_arguments": "shardspeed.api:add_config_arguments",
+    "DeepSpeedOptimizerCallable": "shardspeed.api:DeepSpeedOptimizerCallable",
+    "DeepSpeedSchedulerCallable": "shardspeed.api:DeepSpeedSchedulerCallable",
+    "init_distributed": "shardspeed.comm.init:init_distributed",
+    "dist": "shardspeed.comm",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT": "shardspeed.comm.init:TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "constants.TORCH_DISTRIBUTED_DEFAULT_PORT": "shardspeed.comm.init:TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "DeepSpeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
+    "ShardspeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
+    "DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "load_ds_config": "shardspeed.config.loader:read_config_source",
+    "DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
+    "ConfigError": "shardspeed.config.errors:ConfigError",
+    "CheckpointError": "shardspeed.checkpoint.files:CheckpointError",
+    "DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
+    "RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
+    "DeepSpeedOptimizer": "shardspeed.runtime.optimizer_wrapper:OptimizerWrapper",
+    "PipelineModule": "shardspeed.pipe.module:PipelineModule",
+    "PipelineEngine": "shardspeed.pipe.engine:PipelineEngine",
+    "init_inference": "shardspeed.inference:init_inference",
+    "default_inference_config": "shardspeed.inference:default_inference_config",
+    "DeepSpeedInferenceConfig": "shardspeed.inference:DeepSpeedInferenceConfig",
+    "InferenceEngine": "shardspeed.inference.engine:InferenceEngine",
+    "tp_model_init": "shardspeed.runtime.layout:tp_model_init",
+    "OnDevice": "shardspeed.utils.init_on_device:OnDevice",
+    "get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "logger": "shardspeed.utils.logging:logger",
+    "log_dist": "shardspeed.utils.logging:log_dist",
+    "git_hash": "shardspeed.git_version_info:git_hash",
+    "git_branch": "shardspeed.git_version_info:git_branch",
+    "git_version_info_installed": "shardspeed.git_version_info",
+    "DeepSpeedHybridEngine": NotOffered(
+        "the hybrid engine (RLHF generate + train in one engine) is not built"
+    ),
+    "DeepSpeedTransformerLayer": NotOffered(_KERNELS),
+    "DeepSpeedTransformerConfig": NotOffered(_KERNELS),
+    "replace_transformer_layer": NotOffered(_KERNELS),
+    "DualPipeVEngine": NotOffered("the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"),
+    "DualPipeVModule": NotOffered("the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"),
+    "autotuning": NotOffered(
+        "the autotuner is not built: set batch sizes and ZeRO knobs in the config", True
+    ),
+    "elasticity": NotOffered("elastic training (the `elasticity` block) is not built", True),
+    "compile": NotOffered(
+        "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module", True
+    ),
+    "datastates": NotOffered("the DataStates asynchronous checkpoint engine is not built", True),
+    "io": NotOffered(
+        "DeepSpeed's FastFileWriter is not built; checkpoints use shardspeed's own writer", True
+    ),
+    "linear": NotOffered("OptimizedLinear / LoRA with quantized base weights is not built", True),
+    "model_implementations": NotOffered(
+        "the inference v2 (FastGen) model implementations are not built", True
+    ),
+    # -- deepspeed.accelerator ------------------------------------------------------------------------------
+    "accelerator.DeepSpeedAccelerator": "shardspeed.accelerator.facade:DeviceAccelerator",
+    "accelerator.abstract_accelerator.DeepSpeedAccelerator": "shardspeed.accelerator.facade:DeviceAccelerator",
+    "accelerator.real_accelerator": "shardspeed.accelerator",
+    # -- deepspeed.ops ----------------------------------------------------------------------------------------
+    "ops.__compatible_ops__": "shardspeed.ops.op_builder:COMPATIBLE_OPS",
+    "ops.op_builder.builder.OpBuilder": "shardspeed.ops.op_builder:OpBuilder",
+    "ops.op_builder.all_ops.ALL_OPS": "shardspeed.ops.op_builder:ALL_OPS",
+    "env_report": "shardspeed.launcher.report",
+    "env_report.cli_main": "shardspeed.launcher.report:main",
+    "ops.transformer": NotOffered(_KERNELS, True),
+    "ops.sparse_attention": NotOffered(_KERNELS, True),
+    "ops.quantizer": NotOffered(_KERNELS, True),
+    "ops.fp_quantizer": NotOffered(_KERNELS, True),
+    "ops.random_ltd": NotOffered(_KERNELS, True),
+    "ops.DeepSpeedTransformerLayer": NotOffered(_KERNELS),
+    "ops.DeepSpeedTransformerConfig": NotOffered(_KERNELS),
+    # -- deepspeed.utils -----------------------------------------------------------------------------------
+    "utils.logger": "shardspeed.utils.logging:logger",
+    "utils.log_dist": "shardspeed.utils.logging:log_dist",
+    "utils.set_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules",
+    "utils.unset_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:unset_z3_leaf_modules",
+    "utils.get_z3_leaf_modules": "shardspeed.utils.z3_leaf_module:get_z3_leaf_modules",
+    "utils.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
+    "utils.OnDevice": "shardspeed.utils.init_on_device:OnDevice",
+    "utils.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "utils.safe_get_full_fp32_param": "shardspeed.zero.api:safe_get_full_fp32_param",
+    "utils.safe_set_full_fp32_param": "shardspeed.zero.api:safe_set_full_fp32_param",
+    "utils.safe_get_full_grad": "shardspeed.zero.api:safe_get_full_grad",
+    "utils.safe_get_full_optimizer_state": "shardspeed.zero.api:safe_get_full_optimizer_state",
+    "utils.safe_set_full_grad": "shardspeed.zero.local_access:safe_set_full_grad",
+    "utils.safe_update_full_grad_vectorized": "shardspeed.zero.local_access:safe_update_full_grad_vectorized",
+    "utils.safe_set_full_optimizer_state": "shardspeed.zero.local_access:safe_set_full_optimizer_state",
+    "utils.safe_get_local_grad": "shardspeed.zero.local_access:safe_get_local_grad",
+    "utils.safe_set_local_grad": "shardspeed.zero.local_access:safe_set_local_grad",
+    "utils.safe_get_local_fp32_param": "shardspeed.zero.local_access:safe_get_local_fp32_param",
+    "utils.safe_set_local_fp32_param": "shardspeed.zero.local_access:safe_set_local_fp32_param",
+    "utils.safe_get_local_optimizer_state": "shardspeed.zero.local_access:safe_get_local_optimizer_state",
+    "utils.safe_set_local_optimizer_state": "shardspeed.zero.local_access:safe_set_local_optimizer_state",
+    "utils.get_full_hp_param": "shardspeed.zero.api:safe_get_full_fp32_param",
+    "utils.get_full_hp_grad": "shardspeed.zero.api:safe_get_full_grad",
+    "utils.set_full_hp_param": "shardspeed.zero.api:safe_set_full_fp32_param",
+    "utils.set_full_hp_grad": "shardspeed.zero.local_access:safe_set_full_grad",
+    "utils.get_data_parallel_group": "shardspeed.utils.groups:get_data_parallel_group",
+    "utils.get_data_parallel_rank": "shardspeed.utils.groups:get_data_parallel_rank",
+    "utils.get_data_parallel_world_size": "shardspeed.utils.groups:get_data_parallel_world_size",
+    "utils.get_model_parallel_group": "shardspeed.utils.groups:get_model_parallel_group",
+    "utils.get_model_parallel_rank": "shardspeed.utils.groups:get_model_parallel_rank",
+    "utils.get_model_parallel_world_size": "shardspeed.utils.groups:get_model_parallel_world_size",
+    "utils.get_tensor_model_parallel_group": "shardspeed.utils.groups:get_tensor_model_parallel_group",
+    "utils.get_tensor_model_parallel_rank": "shardspeed.utils.groups:get_tensor_model_parallel_rank",
+    "utils.get_tensor_model_parallel_src_rank": "shardspeed.utils.groups:get_tensor_model_parallel_src_rank",
+    "utils.get_tensor_model_parallel_world_size": "shardspeed.utils.groups:get_tensor_model_parallel_world_size",
+    "utils.zero_to_fp32": "shardspeed.checkpoint.consolidate",
+    "utils.comms_logging.CommsLogger": "shardspeed.comm.logger:CommsLogger",
+    "utils.pin_memory": NotOffered(
+        "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()", True
+    ),
+    "utils.timer": NotOffered(
+        "DeepSpeed's timer classes are internal; the engine times its phases itself (wall_clock_breakdown)",
+        True,
+    ),
+    "utils.link_hp_params": NotOffered(_INTERNAL),
+    "utils.lazy_init_hp_params_optimizer_state": NotOffered(_INTERNAL),
+    "utils.fragment_address": NotOffered(_INTERNAL),
+    "utils.get_hp_fragment_mapping": NotOffered(_INTERNAL),
+    "utils.map_to_flat_opt_states": NotOffered(_INTERNAL),
+    "utils.tensor_fragment": NotOffered(_INTERNAL, True),
+    "utils.mixed_precision_linkage": NotOffered(_INTERNAL, True),
+    # -- deepspeed.runtime: the engine's modules under DeepSpeed's names ------------------------------------
+    "runtime.pipe": "shardspeed.pipe",
+    "runtime.pipe.topology": "shardspeed.comm.topology",
+    "runtime.pipe.dualpipev": NotOffered("the DualPipeV pipeline schedule is not built", True),
+    "runtime.pipe.schedule.BufferOpInstruction": NotOffered(
+        "the pipeline engine runs shardspeed's own instruction set (shardspeed/pipe/schedule.py); custom "
+        "buffer instructions are not supported"
+    ),
+    "runtime.state_dict_factory": NotOffered(
+        "Megatron state-dict loaders for inference are not built; init_inference loads safetensors/HF weights",
+        True,
+    ),
+    "sequence.fpdt_layer": NotOffered("FPDT (chunked long-sequence attention) layers are not built", True),
+    "runtime.activation_checkpointing.checkpointing": "shardspeed.checkpointing",
+    "runtime.lr_schedules.*": "shardspeed.compat.lr_schedule_keys",
+    "runtime.dataloader.DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
+    "runtime.dataloader.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
+    "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": "shardspeed.compat.optimizer_classes:ZeroStage3Optimizer",
+    "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": "shardspeed.compat.optimizer_classes:ZeroStage12Optimizer",
+    "runtime.fp16.fused_optimizer.FP16_Optimizer": "shardspeed.compat.optimizer_classes:FP16Optimizer",
+    "runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "shardspeed.compat.optimizer_classes:FP16UnfusedOptimizer",
+    "runtime.bf16_optimizer.BF16_Optimizer": "shardspeed.compat.optimizer_classes:BF16Optimizer",
+    "runtime.zero.Init": "shardspeed.zero.init:Init",
+    "runtime.zero.GatheredParameters": "shardspeed.zero.api:GatheredParameters",
+    "runtime.zero.ZeroParamStatus": "shardspeed.runtime.zero.partition_parameters:ZeroParamStatus",
+    "runtime.zero.register_external_parameter": "shardspeed.zero.api:register_external_parameter",
+    "runtime.zero.unwrap_model_for_generation": "shardspeed.zero.api:unwrap_model_for_generation",
+    "runtime.zero.config.DeepSpeedZeroConfig": "shardspeed.config.zero:ZeroConfig",
+    "runtime.zero.config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",
+    "runtime.zero.config.DeepSpeedZeroOffloadOptimizerConfig": "shardspeed.config.zero:OffloadOptimizerConfig",
+    "runtime.zero.config.ZeroStageEnum": "shardspeed.compat.deepspeed_types:ZeroStageEnum",
+    "runtime.zero.config.OffloadDeviceEnum": "shardspeed.runtime.zero.offload_config:OffloadDeviceEnum",
+    "runtime.zero.offload_config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",
+    "runtime.zero.offload_config.DeepSpeedZeroOffloadOptimizerConfig": "shardspeed.config.zero:OffloadOptimizerConfig",
+    "runtime.zero.leaf_module_config.DeepSpeedZeroLeafModuleConfig": "shardspeed.config.zero:LeafModuleConfig",
+    "utils.z3_leaf_module.apply_zero_leaf_module_config": "shardspeed.utils.z3_leaf_module:apply_leaf_module_config",
+    "runtime.keep_in_fp32.keep_in_fp32_pattern": "shardspeed.runtime.module_dtypes:keep_in_fp32_pattern",
+    "runtime.zero.utils.ZeRORuntimeException": "shardspeed.compat.deepspeed_types:ZeRORuntimeException",
+    "runtime.zero.partition_parameters.MultipleAllGatherHandles": NotOffered(_INTERNAL),
+    "runtime.zero.partition_parameters.AllGatherCoalescedHandle": NotOffered(_INTERNAL),
+    "runtime.zero.tiling.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
+    "runtime.zero.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
+    "runtime.zero.mics.MiCS_Init": NotOffered("MiCS (hierarchical ZeRO-3 partitioning) is not built"),
+    "zero.MiCS_Init": NotOffered("MiCS (hierarchical ZeRO-3 partitioning) is not built"),
+    "zero.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
+    "runtime.config.*": "shardspeed.compat.config_names",
+    "runtime.constants.*": "shardspeed.compat.config_names",
+    "runtime.config.DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "runtime.precision_config.get_bfloat16_config": "shardspeed.runtime.config:get_bfloat16_config",
+    "runtime.precision_config.get_float16_config": "shardspeed.runtime.config:get_float16_config",
+    "runtime.pipe.topology._prime_factors": "shardspeed.runtime.utils:prime_factors",
+    "runtime.comm.coalesced_collectives.all_to_all_quant_reduce": NotOffered(
+        "quantized all-to-all gradient reduction (ZeRO++ qgZ) is not built"
+    ),
+    "runtime.zero.partition_parameters.partitioned_param_data_shape": (
+        "shardspeed.runtime.zero.partition_parameters:partitioned_param_data_shape"
+    ),
+    "runtime.config.DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
+    "runtime.config.ZeroStageEnum": "shardspeed.compat.deepspeed_types:ZeroStageEnum",
+    "runtime.config_utils.DeepSpeedConfigModel": NotOffered(
+        "DeepSpeed's pydantic config base class; shardspeed has one config system of dataclasses (shardspeed.config)"
+    ),
+    "runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine": NotOffered(
+        "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only checkpoint files itself"
+    ),
+    "runtime.engine.DeepSpeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
+    "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.runtime.optimizer_wrapper:OptimizerWrapper",
+    "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
+    "runtime.hybrid_engine": NotOffered(
+        "the hybrid engine (RLHF generate + train in one engine) is not built", True
+    ),
+    "runtime.data_pipeline": NotOffered("curriculum learning / data efficiency is not built", True),
+    "runtime.comm.compressed": NotOffered("1-bit compressed communication is not built", True),
+    "runtime.fp16.onebit": NotOffered("1-bit Adam/LAMB optimizers are not built", True),
+    "ops.aio.AsyncIOBuilder": "shardspeed.ops.op_builder:AsyncIOBuilder",
+    "moe.sharded_moe._route_slots": NotOffered(_INTERNAL),
+    "moe.sharded_moe._sparse_encode": NotOffered(_INTERNAL),
+    "moe.sharded_moe._sparse_decode": NotOffered(_INTERNAL),
+    "utils.groups._get_expert_parallel_ranks": "shardspeed.moe.groups:expert_parallel_ranks",
+    "utils.set_z3_leaf_modules_by_name": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_name",
+    "utils.set_z3_leaf_modules_by_suffix": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_suffix",
+    "monitor.csv_monitor.csvMonitor": "shardspeed.monitor.csv_monitor:CsvMonitor",
+    "monitor.config.DeepSpeedMonitorConfig": "shardspeed.runtime.config:DeepSpeedMonitorConfig",
+    "launcher.multinode_runner": NotOffered(
+        "DeepSpeed's runner classes are internal; shardspeed's launcher builds the same backends' commands "
+        "(shardspeed/launcher/multinode.py) behind the same flags",
+        True,
+    ),
+    # -- deepspeed.checkpoint --------------------------------------------------------------------------------
+    "checkpoint.DeepSpeedCheckpoint": NotOffered(
+        "the offline checkpoint reshaper is not needed: checkpoints load at any world size, stage and degree"
+    ),
+    "checkpoint.ds_to_universal": NotOffered(
+        "no offline universal conversion is needed: checkpoints load at any world size, stage and degree",
+        True,
+    ),
+    # -- process groups and communication -----------------------------------------------------------------
+    "moe.mappings": NotOffered("expert tensor parallelism is not built", True),
+    "moe.utils.MoE": "shardspeed.moe.layer:MoE",
+    "moe.layer.log_dist": "shardspeed.utils.logging:log_dist",
+    "comm.CommsLogger": "shardspeed.comm.logger:CommsLogger",
+    "comm.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "comm.inference_all_reduce": "shardspeed.comm.collectives:all_reduce",
+    "comm.all_gather_object": "torch.distributed:all_gather_object",
+    "comm.batch_isend_irecv": "torch.distributed:batch_isend_irecv",
+    "comm.P2POp": "torch.distributed:P2POp",
+    "comm.ProcessGroup": "torch.distributed:ProcessGroup",
+    "comm.get_all_ranks_from_group": "torch.distributed:get_process_group_ranks",
+    "utils.groups.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "utils.groups.log_dist": "shardspeed.utils.logging:log_dist",
+    "utils.set_z3_leaf_module": "shardspeed.utils.z3_leaf_module:set_z3_leaf_module",
+    "utils.log_dist_once": "shardspeed.utils.logging:log_dist_once",
+    "utils.set_log_level_from_string": "shardspeed.utils.logging:set_log_level_from_string",
+    "utils.instrument_w_nvtx": "shardspeed.utils.torch:instrument_w_nvtx",
+    "zero.ZeroParamStatus": "shardspeed.runtime.zero.partition_parameters:ZeroParamStatus",
+    "checkpointing.DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "checkpointing.get_accelerator": "shardspeed.accelerator:get_accelerator",
+    "checkpointing.see_memory_usage": "shardspeed.runtime.utils:see_memory_usage",
+    "MUON_OPTIMIZER": "shardspeed.compat.config_names:MUON_OPTIMIZER",
+    "pipe.DualPipeVModule": NotOffered(
+        "the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"
+    ),
+}
+
+# DeepSpeed-internal names its public modules expose (helpers of its own implementation, or of features
+# shardspeed does not build): importable stand-ins naming themselves when used. Grouped by module.
+_INTERNAL_NAMES = {
+    "": "KV MLA_KV MLA_Q NOT_HEAD_BLOCKED QUERY resolve_per_head_muon_after_sharding set_optimizer_flags "
+    "merge_tp_model_init_into_config record_tp_model_init_args set_autotp_mode",
+    "utils": "DeprecatedException bwc_pipeline_parallel_world_size bwc_tensor_model_parallel_world_size "
+    "get_caller_func get_numactl_cmd initialize recursive_getattr recursive_setattr "
+    "set_tensor_model_parallel_rank set_tensor_model_parallel_world_size z3_leaf_parameter",
+    "utils.groups": "DeprecatedException bwc_pipeline_parallel_world_size bwc_tensor_model_parallel_world_size "
+    "initialize set_tensor_model_parallel_rank set_tensor_model_parallel_world_size",
+    "zero": "DeepSpeedTensorOverride DeepSpeedZeRoOffload TiledLinearReturnBias ZeroParamType",
+    "comm": "CCLBackend TorchBackend all_gather_coalesced all_reduce_coalesced allgather_fn "
+    "enable_symm_mem_for_group get_caller_func get_comm_operation_count get_debug_log_name get_default_args "
+    "get_local_rank_from_launcher get_logged_comm_ops get_msg_size_from_args get_tensor_kwarg "
+    "get_tensor_position get_world_rank_from_launcher get_world_size_from_launcher has_all_gather_into_tensor "
+    "has_all_reduce_coalesced has_coalescing_manager has_comm_data has_reduce_scatter_tensor in_aml in_aws_sm "
+    "in_dlts init_deepspeed_backend initialize_mesh_device mpi_discovery "
+    "patch_aml_env_for_torch_nccl_backend patch_aws_sm_env_for_torch_nccl_backend reduce_scatter_fn reset_log "
+    "set_backend timed_op timers",
+    "moe.utils": "configure_moe_param_groups",
+    "checkpointing": "Timers bwc_tensor_model_parallel_rank copy_to_device detach_variable extract_tensors "
+    "gather_partitioned_activations get_cpu_activations_for_backward get_offloaded_activations_for_backward "
+    "get_partition_size get_partition_start get_partitioned_activations_for_backward "
+    "is_activation_to_checkpoint merge_tensors model_parallel_reconfigure_tp_seed move_to_device "
+    "partition_activations restore_offloaded_activations",
+    "utils.zero_to_fp32": "GatheredTensor atoi natural_keys convert_zero_checkpoint_to_state_dict "
+    "get_model_state_file parse_model_states parse_optim_states to_torch_tensor zero3_partitioned_param_info "
+    "zero_model_state",
+    "runtime.lr_schedules": "get_lr_from_config get_torch_optimizer override_1cycle_params "
+    "override_lr_range_test_params override_params override_warmupCosineLR_params override_warmupLR_params "
+    "parse_arguments update_lr",
+    "runtime.zero.config": "DeepSpeedConfigModel DeepSpeedZeroLeafModuleConfig ZenFlowConfig get_scalar_param "
+    "get_zero_config pp_int read_zero_config_deprecated",
+    "ops.adam": "ZenFlowCPUAdam ZenFlowSelectiveAdamW ZenFlowSelectiveAdamW_stage3",
+}
+for _module, _names in _INTERNAL_NAMES.items():
+    for _name in _names.split():
+        PATHS.setdefault(f"{_module}.{_name}" if _module else _name, NotOffered(_INTERNAL))

@@ -1,0 +1,1 @@
+"""DeepSpeed's `deepspeed.runtime.comm` path: coalesced collectives (coalesced_collectives.py)."""

@@ -1,0 +1,105 @@
+"""DeepSpeed's `deepspeed.runtime.config.DeepSpeedConfig`: a loaded config read through DeepSpeed's names.
+
+Megatron-style code and DeepSpeed's tests build `DeepSpeedConfig(config_dict_or_path, mpu)` on their own and
+read `train_batch_size`, `zero_config`, `zero_optimization_stage`, `fp16_enabled`, ... from it. This class
+loads the config with shardspeed's one config system (`shardspeed.config.load_config`, so every check and
+error is the same as in `initialize`), at the data-parallel world size of the running process group (or of
+`mpu`), and answers DeepSpeed's attribute names from the result; any other attribute is the loaded
+`ShardspeedConfig`'s block of that name (`config.zero_optimization`, `config.checkpoint`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from shardspeed.config import load_config
+from shardspeed.config.blocks import Bf16Config, Fp16Config
+from shardspeed.config.build import BuildContext, build_block
+from shardspeed.config.monitoring import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig
+
+__all__ = ["DeepSpeedConfig", "DeepSpeedMonitorConfig", "get_bfloat16_config", "get_float16_config"]
+
+
+@dataclass(kw_only=True)
+class DeepSpeedMonitorConfig:
+    """DeepSpeed's `monitor.config.DeepSpeedMonitorConfig`: the four monitor blocks (defaults when absent)."""
+
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
+    comet: CometConfig = field(default_factory=CometConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return any(block.enabled for block in (self.tensorboard, self.wandb, self.csv_monitor, self.comet))
+
+
+# DeepSpeed attribute -> function of the loaded ShardspeedConfig
+_DEEPSPEED_NAMES = {
+    "zero_config": lambda c: c.zero_optimization,
+    "zero_optimization_stage": lambda c: c.zero_optimization.stage,
+    "zero_enabled": lambda c: c.zero_optimization.stage > 0,
+    "fp16_enabled": lambda c: c.fp16.enabled,
+    "bfloat16_enabled": lambda c: c.bf16.enabled,
+    "fp16_auto_cast": lambda c: c.fp16.auto_cast,
+    "loss_scale": lambda c: c.fp16.loss_scale,
+    "initial_dynamic_scale": lambda c: 2**c.fp16.initial_scale_power,
+    "optimizer_name": lambda c: c.optimizer.type.lower() if c.optimizer else None,
+    "optimizer_params": lambda c: dict(c.optimizer.params) if c.optimizer else None,
+    "scheduler_name": lambda c: c.scheduler.type if c.scheduler else None,
+    "scheduler_params": lambda c: dict(c.scheduler.params) if c.scheduler else None,
+    "activation_checkpointing_config": lambda c: c.activation_checkpointing,
+    "pipeline": lambda c: c.pipeline,
+    "_param_dict": lambda c: c.raw,
+    "monitor_config": lambda c: DeepSpeedMonitorConfig(
+        tensorboard=c.tensorboard, wandb=c.wandb, csv_monitor=c.csv_monitor, comet=c.comet
+    ),
+}
+
+
+def _data_parallel_world_size(mpu) -> int:
+    if mpu is not None:
+        return mpu.get_data_parallel_world_size()
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class DeepSpeedConfig:
+    """A DeepSpeed config (dict, JSON/HJSON path or base64 string) loaded and checked, with DeepSpeed's names."""
+
+    def __init__(self, config, mpu=None, mesh_device=None) -> None:
+        if mesh_device is not None:
+            raise ValueError("DeepSpeedConfig(mesh_device=...): pass the layout through the config or an mpu")
+        self.world_size = _data_parallel_world_size(mpu)
+        self.loaded = load_config(config, world_size=self.world_size)
+
+    def __getattr__(self, name: str):
+        if name == "loaded":  # not set yet: __init__ failed part-way
+            raise AttributeError(name)
+        if name in _DEEPSPEED_NAMES:
+            return _DEEPSPEED_NAMES[name](self.loaded)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.loaded, name)
+
+    def print(self, name: str = "DeepSpeedConfig") -> None:
+        print(f"{name}: {self.loaded.to_dict()}")
+
+
+def _block(param_dict: dict, cls: type, names: tuple[str, ...]):
+    for name in names:
+        if name in param_dict:
+            return build_block(cls, param_dict[name], name, BuildContext())
+    return cls()
+
+
+def get_bfloat16_config(param_dict: dict) -> Bf16Config:
+    """DeepSpeed's `runtime.precision_config.get_bfloat16_config`: the `bf16` block (or its old name
+    `bfloat16`) of a config dict, checked as `initialize` checks it; defaults when absent."""
+    return _block(param_dict, Bf16Config, ("bf16", "bfloat16"))
+
+
+def get_float16_config(param_dict: dict) -> Fp16Config:
+    """DeepSpeed's `runtime.precision_config.get_float16_config`: the `fp16` block of a config dict."""
+    return _block(param_dict, Fp16Config, ("fp16",))

@@ -1,0 +1,296 @@
+"""DeepSpeed's import paths on shardspeed (shardspeed/compat/paths.py): every table entry resolves to what it
+names or to a stand-in that raises NotOfferedError naming itself; every public name of DeepSpeed 0.19.8 in
+tests/deepspeed_0_19_8_names.txt resolves; `deepspeed.X.Y` works after a bare import; the small DeepSpeed
+modules the table points at behave as DeepSpeed's (op builders, git_version_info, utils.torch, OnDevice,
+DeepSpeedConfig, partitioning helpers).
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardspeed
+from shardspeed.compat.finder import resolve
+from shardspeed.compat.not_offered import NotOffered, NotOfferedError
+from shardspeed.compat.paths import PATHS
+
+NAMES_FILE = Path(__file__).with_name("deepspeed_0_19_8_names.txt")
+
+
+def _walk(path: str):
+    """`shardspeed.<path>` by attribute access only, as `deepspeed.<path>` after a bare import."""
+    obj = shardspeed
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _assert_stand_in(obj, path: str) -> None:
+    """A stand-in: calling it raises NotOfferedError naming the DeepSpeed path."""
+    if isinstance(obj, types.ModuleType):
+        obj = obj.SomeName
+        path = f"{path}.SomeName"
+    with pytest.raises(NotOfferedError, match=f"deepspeed.{path} is not offered by shardspeed: "):
+        obj()
+    with pytest.raises(NotOfferedError):
+        obj(1, key=2)
+
+
+def test_every_table_entry_resolves_to_its_target_or_a_named_stand_in():
+    for path, target in PATHS.items():
+        if path.endswith(".*"):
+            module = importlib.import_module(target)
+            name = module.__all__[0]
+            assert _walk(f"{path[:-2]}.{name}") is getattr(module, name), path
+            continue
+        obj = _walk(path)
+        if isinstance(target, NotOffered):
+            assert isinstance(obj, types.ModuleType) == target.module, path
+            _assert_stand_in(obj, path)
+        elif ":" in target:
+            module_name, attribute = target.split(":")
+            assert obj is getattr(importlib.import_module(module_name), attribute), path
+        else:
+            assert obj is importlib.import_module(target), path
+        assert resolve(path) is obj, path
+
+
+def test_every_public_name_of_deepspeed_0_19_8_resolves():
+    names = [
+        line.strip() for line in NAMES_FILE.read_text().splitlines() if line.strip()[:1] not in ("", "#")
+    ]
+    assert len(names) > 400
+    missing = []
+    for path in names:
+        try:
+            _walk(path)
+        except AttributeError as error:
+            missing.append(f"{path}: {error}")
+    assert not missing, missing
+
+
+def test_module_paths_import_as_the_same_module_objects():
+    pipe_module = importlib.import_module("shardspeed.runtime.pipe.module")
+    assert pipe_module is importlib.import_module("shardspeed.pipe.module")
+    assert sys.modules["shardspeed.runtime.pipe"] is shardspeed.pipe
+    assert importlib.import_module("shardspeed.runtime.pipe.topology") is importlib.import_module(
+        "shardspeed.comm.topology"
+    )
+    assert importlib.import_module("shardspeed.utils.zero_to_fp32") is importlib.import_module(
+        "shardspeed.checkpoint.consolidate"
+    )
+    stage3 = importlib.import_module("shardspeed.runtime.zero.stage3")  # a path with no file of its own
+    assert stage3.DeepSpeedZeroOptimizer_Stage3 is resolve(
+        "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+    )
+    assert "DeepSpeedZeroOptimizer_Stage3" in dir(stage3)
+    tuner = importlib.import_module("shardspeed.autotuning.tuner.base_tuner")  # under a module not offered
+    _assert_stand_in(tuner.BaseTuner, "autotuning.tuner.base_tuner.BaseTuner")
+
+
+def test_unknown_names_and_modules_are_still_errors():
+    with pytest.raises(
+        AttributeError, match=r"module 'shardspeed\.utils' has no attribute 'safe_get_ful_grad'"
+    ):
+        shardspeed.utils.safe_get_ful_grad  # noqa: B018 (a misspelt name is not made into a stand-in)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("shardspeed.runtime.no_such_module")
+    with pytest.raises(AttributeError):
+        shardspeed.runtime.zero.stage3.NoSuchClass  # noqa: B018
+
+
+def test_table_module_aliases_do_not_shadow_real_files():
+    root = Path(shardspeed.__file__).parent
+    for path, target in PATHS.items():
+        if isinstance(target, str) and ":" not in target and not path.endswith(".*"):
+            relative = root.joinpath(*path.split("."))
+            assert not relative.with_suffix(".py").exists() and not relative.is_dir(), path
+
+
+def test_attribute_access_after_a_bare_import_in_a_fresh_interpreter():
+    code = (
+        "import shardspeed as deepspeed\n"
+        "f = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer\n"
+        "assert callable(f)\n"
+        "assert deepspeed.utils.groups.get_data_parallel_world_size is not None\n"
+        "assert deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.__name__\n"
+        "assert deepspeed.runtime.pipe.PipelineModule is deepspeed.pipe.PipelineModule\n"
+        "assert deepspeed.runtime.lr_schedules.WARMUP_LR == 'WarmupLR'\n"
+        "assert deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint\n"
+        "assert deepspeed.ops.__compatible_ops__['cpu_adam'] is True\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_stand_ins_are_never_instances():
+    hybrid = shardspeed.DeepSpeedHybridEngine
+    assert not isinstance(object(), hybrid)
+    assert hybrid.__name__ == "DeepSpeedHybridEngine"
+    with pytest.raises(NotOfferedError, match="hybrid engine"):
+        hybrid(model=None)
+
+
+def test_op_builders_say_nothing_needs_building():
+    from shardspeed.ops import op_builder
+
+    adam = op_builder.CPUAdamBuilder()
+    assert adam.NAME == "cpu_adam" and adam.is_compatible() and adam.sources() == []
+    with pytest.raises(NotOfferedError, match="'adam_update' does not exist in shardspeed"):
+        adam.load().adam_update  # noqa: B018
+    transformer = op_builder.TransformerBuilder()
+    assert not transformer.is_compatible()
+    with pytest.raises(NotOfferedError, match=r"the transformer op \(TransformerBuilder\) is not offered"):
+        transformer.load()
+    assert shardspeed.ops.__compatible_ops__ == shardspeed.git_version_info.installed_ops
+    assert shardspeed.git_version_info.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+    assert shardspeed.git_version_info.version == shardspeed.__version__
+
+
+def test_required_torch_version_compares_as_deepspeed():
+    from shardspeed.utils.torch import required_torch_version
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert required_torch_version(min_version=f"{major}.{minor}")
+    assert required_torch_version(min_version=1.8, max_version=f"{major + 1}.0")
+    assert not required_torch_version(min_version=f"{major + 1}.0")
+    assert not required_torch_version(max_version=f"{major}.{minor - 1}")
+    with pytest.raises(ValueError, match="give min_version, max_version or both"):
+        required_torch_version()
+
+
+def test_on_device_builds_modules_on_the_device_in_the_dtype():
+    with shardspeed.OnDevice(dtype=torch.float16, device="meta"):
+        layer = torch.nn.Linear(4, 3)
+        table = torch.nn.Embedding(5, 2)
+    assert all(
+        p.device.type == "meta" and p.dtype == torch.float16
+        for p in [*layer.parameters(), *table.parameters()]
+    )
+    assert torch.get_default_dtype() == torch.float32 and torch.empty(1).device.type == "cpu"  # restored
+    with shardspeed.OnDevice(dtype=torch.float16, enabled=False):
+        assert torch.nn.Linear(2, 2).weight.dtype == torch.float32
+    with pytest.raises(
+        ValueError, match=r"OnDevice\(dtype=\.\.\.\): expected a floating-point torch\.dtype, got torch\.int8"
+    ):
+        shardspeed.OnDevice(dtype=torch.int8)
+
+
+def test_deepspeed_config_reads_deepspeed_names(monkeypatch):
+    config = shardspeed.DeepSpeedConfig(
+        {"train_batch_size": 8, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+         "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+         "tensorboard": {"enabled": True, "job_name": "run"}}
+    )  # fmt: skip
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu) == (8, 4)
+    assert config.zero_optimization_stage == 2 and config.zero_enabled and config.bfloat16_enabled
+    assert config.zero_config.stage == shardspeed.runtime.zero.config.ZeroStageEnum.gradients
+    assert config.optimizer_name == "adamw" and config.optimizer_params == {"lr": 0.1}
+    assert config.monitor_config.tensorboard.job_name == "run" and config.monitor_config.enabled
+    assert not shardspeed.monitor.config.DeepSpeedMonitorConfig().enabled
+    with pytest.raises(shardspeed.DeepSpeedConfigError, match=r"zero_optimization\.stage"):
+        shardspeed.DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stage": 7}})
+
+
+def test_cpu_device_count_is_the_local_world_size(monkeypatch):
+    from shardspeed.accelerator.facade import DeviceAccelerator
+
+    cpu = DeviceAccelerator("cpu")
+    for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu.device_count() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # torchrun
+    assert cpu.device_count() == 3
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher and ours
+    assert cpu.device_count() == 2
+    assert shardspeed.accelerator.is_current_accelerator_supported()
+    with pytest.raises(
+        TypeError, match=r"set_accelerator: expected an accelerator from shardspeed\.accelerator"
+    ):
+        shardspeed.accelerator.set_accelerator(object())
+
+
+def test_partition_helpers_give_deepspeeds_bounds():
+    from shardspeed.runtime.utils import partition_balanced, partition_uniform, prefix_sum_inc, prime_factors
+
+    assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
+    assert partition_uniform(2, 4) == [0, 1, 2, 2, 2]  # fewer items than parts: the rest empty
+    assert partition_balanced([0, 1, 2, 3, 3, 3], 4) == [0, 3, 4, 5, 6]
+    assert partition_balanced([0.0, 1.1, 30, 3.0], 3) == [0, 2, 3, 4]
+    # the least varying split, not only the lightest heaviest part ([2, 2, 0, 1] has the same heaviest part)
+    assert partition_balanced([1, 1, 1, 1, 0, 1], 4) == [0, 1, 2, 3, 6]
+    assert prefix_sum_inc([3, 4, 5]) == [3, 7, 12]
+    assert prime_factors(12) == [2, 2, 3] and prime_factors(7) == [7]
+
+
+def test_expert_parallel_ranks_cut_data_slices():
+    from shardspeed.moe.groups import expert_parallel_ranks
+
+    ep, edp = expert_parallel_ranks(world_size=16, tensor_parallel_size_=2, expert_parallel_size_=4)
+    assert ep == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert edp[:4] == [[0, 8], [2, 10], [4, 12], [6, 14]]
+    with pytest.raises(ValueError, match="expert_parallel_size_ 3 must divide the data-parallel size 8"):
+        expert_parallel_ranks(16, 2, 3)
+
+
+def test_z3_leaf_modules_by_name_and_suffix():
+    from shardspeed.utils.z3_leaf_module import set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    marked, missing = set_z3_leaf_modules_by_name(model, ["1.0", "9"], raise_if_not_found=False)
+    assert marked == [model[1][0]] and missing == ["9"] and model[1][0]._z3_leaf
+    with pytest.raises(ValueError, match=r"no module named \['9'\]"):
+        set_z3_leaf_modules_by_name(model, ["9"])
+    marked, missing = set_z3_leaf_modules_by_suffix(model, ["0"], flag=False)
+    assert set(map(id, marked)) == {id(model[0]), id(model[1][0])} and not model[1][0]._z3_leaf
+
+
+def test_launcher_helpers_under_deepspeeds_names():
+    from shardspeed.launcher import runner
+
+    hosts = {"w0": [0, 1, 2, 3], "w1": [0, 1]}
+    assert runner.parse_resource_filter(hosts) == hosts
+    assert runner.parse_resource_filter(hosts, exclude_str="w0:1@w1") == {"w0": [0, 2, 3]}
+    assert (
+        runner.parse_resource_filter(hosts, exclude_str="w0@w1") == {}
+    )  # the launcher refuses this, not here
+    with pytest.raises(ValueError, match="host 'jeff' is not in the hostfile"):
+        runner.parse_resource_filter(hosts, include_str="jeff")
+    with pytest.raises(ValueError, match="cannot be used together"):
+        runner.parse_resource_filter(hosts, include_str="w0", exclude_str="w1")
+    assert runner._parse_hostfile(["  w1 slots=2", "# a comment", ""]) == {"w1": 2}
+    with pytest.raises(ValueError, match="listed twice"):
+        runner._parse_hostfile(["a slots=1", "a slots=2"])
+    assert runner.parse_args(["--num_gpus", "2", "train.py", "--lr", "1"]).user_args == ["--lr", "1"]
+
+
+def test_precision_config_getters_read_the_blocks():
+    from shardspeed.config import ConfigError
+
+    precision = shardspeed.runtime.precision_config
+    assert precision.get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled  # the old key name too
+    assert not precision.get_float16_config({}).enabled
+    with pytest.raises(ConfigError, match=r"bf16\.enabled: expected a boolean"):
+        precision.get_bfloat16_config({"bf16": {"enabled": 3}})
+
+
+def test_parse_range_list_is_strict_as_deepspeeds():
+    from shardspeed.utils.numa import parse_range_list
+
+    assert parse_range_list("0,2-4,6,8-9") == [0, 2, 3, 4, 6, 8, 9]
+    for bad, message in (
+        ("0,2-6,5-9", "overlaps"),
+        ("8,2-6", "precedes"),
+        ("1,6-2", "runs backwards"),
+        ("x", "not a core"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_range_list(bad)
