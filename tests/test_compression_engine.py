@@ -248,7 +248,9 @@ def test_deepspeed_0189_script_runs_unchanged(world1):
     """The script (import line aside) as DeepSpeed 0.18.9 runs it; with sparse pruning it runs here only."""
     results = world1["script"]
     for result, variant in zip(results, ("all techniques", "no sparse pruning")):
-        assert torch.allclose(result["before"], result["after"], atol=1e-5), variant  # cleaning: float rounding
+        assert torch.allclose(result["before"], result["after"], atol=1e-5), (
+            variant
+        )  # cleaning: float rounding
         assert result["shapes"]["layer.0.intermediate.dense"] == (64, 32)
         assert result["shapes"]["layer.0.output.dense"] == (32, 64)
         assert all(math.isfinite(x) for x in result["losses"])

@@ -171,22 +171,24 @@ class Compressible:
 
     # ---- the forward's weight and input -------------------------------------------------------------------
     def compressed_weight(self):
-        """(weight, bias) as the forward uses them, every enabled technique applied."""
+        """(weight, bias) as the forward uses them, every enabled technique applied. Masks made by
+        ``init_compression`` before the engine casts the model are buffers, which keep their dtype under
+        fp16/bf16 training (as DeepSpeed 0.19 keeps buffers): each is used in the weight's dtype."""
         weight, bias = self.weight, self.bias
         if self.weight_quantization_enabled and self.weight_quantization is not None:
             weight = self.weight_quantization.apply(weight, self._weight_reduce)
         if self._active("sparse"):
-            weight = weight * self._local(self.get_mask("sparse"), "weight")
+            weight = weight * self._local(self.get_mask("sparse"), "weight").to(weight.dtype)
         if self._active("row"):
-            rows = self._local(self.get_mask("row").view(-1), "rows")
+            rows = self._local(self.get_mask("row").view(-1), "rows").to(weight.dtype)
             weight = weight * rows.view(-1, *[1] * (weight.dim() - 1))
             bias = bias * rows if bias is not None else None
         if self._active("head"):
-            heads = self._local(self.get_mask("head").view(-1), "heads")
+            heads = self._local(self.get_mask("head").view(-1), "heads").to(weight.dtype)
             out = weight.shape[0]
             weight = (weight.view(out, heads.numel(), -1) * heads.view(1, -1, 1)).view(out, -1)
         if self._active("channel"):
-            channels = self.get_mask("channel").view(-1)
+            channels = self.get_mask("channel").view(-1).to(weight.dtype)
             weight = weight * channels.view(-1, 1, 1, 1)
             bias = bias * channels if bias is not None else None
         return weight, bias
