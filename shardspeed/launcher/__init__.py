@@ -20,7 +20,7 @@ import sys
 from shardspeed.utils.logging import make_logger
 
 
-class LauncherError(Exception):
+class LauncherError(ValueError):
     """A problem with the user's input or machine, reported as one clear line before anything starts."""
 
 

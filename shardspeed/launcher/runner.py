@@ -302,8 +302,15 @@ def run(argv: list[str] | None = None) -> int:
     return run_single_node(args, resources)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point; called without `argv` it exits the process itself (see `fast_exit`)."""
+def main(argv: list[str] | None = None, *, args: list[str] | None = None) -> int:
+    """Console-script entry point; called without `argv` it exits the process itself (see `fast_exit`).
+
+    `main(args=[...])` is DeepSpeed's programmatic form: there a bad command line raises `LauncherError` (a
+    ValueError naming the problem, as DeepSpeed raises) instead of being printed as an exit status."""
+    if args is not None:
+        if argv is not None:
+            raise TypeError("main: give argv or args, not both")
+        return run(list(args))
     as_command = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"] and not os.path.exists("report"):

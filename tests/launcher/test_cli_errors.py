@@ -123,3 +123,15 @@ def test_bad_env_file_line(tmp_path, probe_out, monkeypatch, capsys):
     monkeypatch.setenv("SHARDSPEED_TEST_OUT", str(probe_out))
     result = in_process(["--num_gpus", "1", PROBE], capsys)
     check_rejected(result, "line 2: 'this is wrong' is not NAME=value", probe_out)
+
+
+@pytest.mark.parametrize(
+    "flags", [["--num_nodes", "1", "-i", "localhost"], ["--num_gpus", "1", "-e", "localhost"]]
+)
+def test_deepspeed_programmatic_main_raises_value_error_naming_the_problem(flags, tmp_path):
+    """DeepSpeed's `runner.main(args=[...])` raises ValueError on a bad command line (its tests call it so);
+    the console-script form prints the same message and exits 2 instead."""
+    with pytest.raises(ValueError, match="cannot be combined with --include/--exclude"):
+        runner.main(args=[*flags, str(tmp_path / "train.py")])
+    with pytest.raises(TypeError, match="not both"):
+        runner.main(["x.py"], args=["x.py"])
