@@ -290,13 +290,18 @@ class FusedPacked:
         )
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.joint(x).split(self.sizes, dim=-1)
+
+    def joint(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side on the last dimension, unsplit (as ``FusedLinear.joint``: the fast decoder
+        applies RoPE to q and k together on it)."""
         if self._int8 is not None and x.dtype == torch.float32:
             out = F.linear(x, self._int8[0].to(torch.float32)) * self._int8[1]
         else:
             out = self.packed.linear(x)
         if self.bias is not None:
             out = out + (self.bias if self.bias.dtype == out.dtype else self.bias.to(out.dtype))
-        return out.split(self.sizes, dim=-1)
+        return out
 
 
 class PackedEmbedding(_PackedLayer):
