@@ -294,3 +294,40 @@ def test_parse_range_list_is_strict_as_deepspeeds():
     ):
         with pytest.raises(ValueError, match=message):
             parse_range_list(bad)
+
+
+def test_log_level_as_deepspeed_reads_and_keeps_it():
+    import shardspeed
+    from shardspeed.config import ConfigError
+
+    config = shardspeed.runtime.config
+    assert config.get_log_level({}) is None and shardspeed.runtime.constants.LOG_LEVEL_DEFAULT is None
+    assert config.get_log_level({"log_level": "DEBUG"}) == "DEBUG"
+    assert config.get_log_level({"log_level": "error"}) == "ERROR"  # any case; kept as logging names it
+    with pytest.raises(ConfigError, match="log_level: must be one of"):
+        config.get_log_level({"log_level": "loud"})
+
+
+def test_comms_logger_answers_deepspeeds_queries_without_reordering_records():
+    from shardspeed.comm.logger import CommsLogger, trim_mean
+    from shardspeed.utils.timer import trim_mean as deepspeed_path_trim_mean
+
+    assert deepspeed_path_trim_mean is trim_mean
+    data = [3.0, 1.0, 2.0]
+    assert trim_mean(data, 0.1) == 2.0 and data == [3.0, 1.0, 2.0]
+    logger = CommsLogger()
+    logger.start_profiling_comms()
+    assert logger.prof_all is True
+    logger.stop_profiling_comms()
+    assert logger.prof_all is False
+    latencies = [3.0, 1.0, 2.0]
+    algbws = [10.0 / x for x in latencies]
+    logger.comms_dict = {"all_reduce": {1024: [3, list(latencies), list(algbws), [2 * a for a in algbws]]}}
+    summary = logger.get_operation_summary("all_reduce")
+    assert summary[1024]["avg_latency_ms"] == 2.0 and summary[1024]["count"] == 3
+    stored = logger.get_raw_data()["all_reduce"][1024]
+    assert stored[1] == latencies and stored[2] == algbws  # summarising sorted nothing in place
+    assert logger.get_operation_names() == ["all_reduce"] and logger.get_total_operations() == 3
+    assert logger.get_operation_summary("broadcast") is None
+    logger.reset_data()
+    assert not logger.has_data()

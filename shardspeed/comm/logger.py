@@ -30,7 +30,7 @@ from shardspeed import accelerator
 from shardspeed.comm.nodes import NodeLayout
 from shardspeed.utils.logging import log_dist
 
-__all__ = ["CommsLogger", "active", "configure", "log_summary"]
+__all__ = ["CommsLogger", "active", "configure", "log_summary", "trim_mean"]
 
 _BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -148,6 +148,60 @@ class CommsLogger:
                 lines.append("".join(f"{c:<20}" for c in cells))
         return "\n".join(lines)
 
+    # -- DeepSpeed's CommsLogger methods, over the same records ------------------------------------------------
+    def start_profiling_comms(self) -> None:
+        self.prof_all = True
+
+    def stop_profiling_comms(self) -> None:
+        self.prof_all = False
+
+    def start_profiling_op(self, op_name_list) -> None:
+        self.prof_ops = sorted(set(self.prof_ops) | set(op_name_list))
+
+    def stop_profiling_op(self, op_name_list) -> None:
+        self.prof_ops = [op for op in self.prof_ops if op not in set(op_name_list)]
+
+    @property
+    def comms_dict(self) -> dict:
+        """The records in DeepSpeed's layout, `{op: {size: [count, latencies, algbws, busbws]}}`; the lists
+        are the recorded ones (not copies). Assigning one replaces the records."""
+        return {op: {size: [len(r.latencies_ms), r.latencies_ms, r.algbw_gbps, r.busbw_gbps]
+                     for size, r in by_size.items()} for op, by_size in self.records.items()}  # fmt: skip
+
+    @comms_dict.setter
+    def comms_dict(self, value: dict) -> None:
+        self.records.clear()
+        for op, by_size in value.items():
+            for size, (_count, latencies, algbws, busbws) in by_size.items():
+                self.records[op][size] = OpRecord(list(latencies), list(algbws), list(busbws))
+
+    def get_raw_data(self) -> dict:
+        return self.comms_dict
+
+    def has_data(self) -> bool:
+        return bool(self.records)
+
+    def reset_data(self) -> None:
+        self.reset()
+
+    def get_operation_names(self) -> list[str]:
+        return list(self.records)
+
+    def get_total_operations(self) -> int:
+        return sum(len(r.latencies_ms) for by_size in self.records.values() for r in by_size.values())
+
+    def get_operation_summary(self, operation_name: str) -> dict | None:
+        """Per message size of one op: count, total and trimmed-mean latency (ms), bandwidths (Gbps); None if
+        the op was never recorded. The records are left as they are."""
+        if operation_name not in self.records:
+            return None
+        return {
+            size: {"count": len(r.latencies_ms), "total_latency_ms": sum(r.latencies_ms),
+                   "avg_latency_ms": trim_mean(r.latencies_ms, 0.1), "tput_avg_gbps": trim_mean(r.algbw_gbps, 0.1),
+                   "busbw_avg_gbps": trim_mean(r.busbw_gbps, 0.1), "msg_size_bytes": size, "msg_size_str": _size(size)}
+            for size, r in self.records[operation_name].items()
+        }  # fmt: skip
+
     def _stragglers(self) -> dict[tuple[str, int], float]:
         """The fastest rank's total latency per (op, size): the rest of ours was spent waiting for others.
         Every rank must call this (one all-reduce), with the same ops recorded."""
@@ -206,6 +260,19 @@ def log_summary(show_straggler: bool = False) -> str:
     text = _active.summary(show_straggler)
     log_dist("Comms summary\n" + text)
     return text
+
+
+def trim_mean(data, trim_percent: float) -> float:
+    """Mean of `data` without the `trim_percent` smallest and largest values (DeepSpeed's `utils.timer
+    .trim_mean`); `data` is not reordered."""
+    if not 0.0 <= trim_percent <= 1.0:
+        raise ValueError(f"trim_mean: trim_percent must be in [0, 1], got {trim_percent}")
+    ordered = sorted(data)
+    if not ordered:
+        return 0
+    k = round(len(ordered) * trim_percent)
+    kept = ordered[k : len(ordered) - k]
+    return sum(kept) / len(kept)
 
 
 def _current_device() -> torch.device:

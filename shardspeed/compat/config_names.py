@@ -33,6 +33,7 @@ DEEPSPEED_OPTIMIZERS = [
 TORCH_ADAM_PARAM = "torch_adam"
 ADAM_W_MODE = "adam_w_mode"
 ADAM_W_MODE_DEFAULT = True
+LOG_LEVEL_DEFAULT = None  # DeepSpeed's default: the logger's level is left as it is
 
 # Every top-level key of the config as a constant: TRAIN_BATCH_SIZE = "train_batch_size", ...
 for _field in dataclasses.fields(ShardspeedConfig):

@@ -65,7 +65,8 @@ def not_offered_class(deepspeed_path: str, reason: str) -> type:
 
 
 class NotOfferedModule(types.ModuleType):
-    """A DeepSpeed module shardspeed does not offer: it imports, and each public name in it is a stand-in."""
+    """A DeepSpeed module shardspeed does not offer: it imports, and each public name in it is a stand-in
+    (or, where the table lists the name itself, what the table says)."""
 
     def __init__(self, name: str, deepspeed_path: str, reason: str) -> None:
         super().__init__(name, _message(deepspeed_path, reason))
@@ -76,9 +77,14 @@ class NotOfferedModule(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)  # tools probe dunders (`__file__`, `__wrapped__`): plain absence
-        stand_in = not_offered_class(f"{self._deepspeed_path}.{name}", self._reason)
-        setattr(self, name, stand_in)
-        return stand_in
+        from shardspeed.compat.finder import resolve  # here: the table itself imports this module
+        from shardspeed.compat.paths import PATHS
+
+        path = f"{self._deepspeed_path}.{name}"
+        # a name the table places somewhere (utils.timer.trim_mean) is that object, the rest stand-ins
+        value = resolve(path) if path in PATHS else not_offered_class(path, self._reason)
+        setattr(self, name, value)
+        return value
 
 
 def not_offered_module(name: str, deepspeed_path: str, reason: str) -> NotOfferedModule:

@@ -146,6 +146,7 @@ PATHS: dict[str, object] = {
     "utils.pin_memory": NotOffered(
         "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()", True
     ),
+    "utils.timer.trim_mean": "shardspeed.comm.logger:trim_mean",
     "utils.timer": NotOffered(
         "DeepSpeed's timer classes are internal; the engine times its phases itself (wall_clock_breakdown)",
         True,
@@ -192,7 +193,6 @@ PATHS: dict[str, object] = {
     "runtime.zero.offload_config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",
     "runtime.zero.offload_config.DeepSpeedZeroOffloadOptimizerConfig": "shardspeed.config.zero:OffloadOptimizerConfig",
     "runtime.zero.leaf_module_config.DeepSpeedZeroLeafModuleConfig": "shardspeed.config.zero:LeafModuleConfig",
-    "utils.z3_leaf_module.apply_zero_leaf_module_config": "shardspeed.utils.z3_leaf_module:apply_leaf_module_config",
     "runtime.keep_in_fp32.keep_in_fp32_pattern": "shardspeed.runtime.module_dtypes:keep_in_fp32_pattern",
     "runtime.zero.utils.ZeRORuntimeException": "shardspeed.compat.deepspeed_types:ZeRORuntimeException",
     "runtime.zero.partition_parameters.MultipleAllGatherHandles": NotOffered(_INTERNAL),
@@ -291,7 +291,7 @@ _INTERNAL_NAMES = {
     "set_tensor_model_parallel_rank set_tensor_model_parallel_world_size z3_leaf_parameter",
     "utils.groups": "DeprecatedException bwc_pipeline_parallel_world_size bwc_tensor_model_parallel_world_size "
     "initialize set_tensor_model_parallel_rank set_tensor_model_parallel_world_size",
-    "zero": "DeepSpeedTensorOverride DeepSpeedZeRoOffload TiledLinearReturnBias ZeroParamType",
+    "zero": "DeepSpeedTensorOverride DeepSpeedZeRoOffload TiledLinearReturnBias",
     "comm": "CCLBackend TorchBackend all_gather_coalesced all_reduce_coalesced allgather_fn "
     "enable_symm_mem_for_group get_caller_func get_comm_operation_count get_debug_log_name get_default_args "
     "get_local_rank_from_launcher get_logged_comm_ops get_msg_size_from_args get_tensor_kwarg "

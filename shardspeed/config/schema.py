@@ -66,11 +66,15 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
+
+
 def _false_means_off(value: Any) -> Any:
     return None if value is False else value
 
 
-LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 __all__ = ["ShardspeedConfig"]
@@ -149,9 +153,9 @@ class ShardspeedConfig:
     """Log memory use. Default false."""
     dump_state: bool = False
     """Log the resolved config on rank 0 after initialisation. Default false."""
-    log_level: Annotated[LogLevel | None, Key(normalize=_lower)] = None
-    """Level of the library's logger (and its handlers): debug, info, warning, error, critical; null =
-    unchanged. Default null."""
+    log_level: Annotated[LogLevel | None, Key(normalize=_upper)] = None
+    """Level of the library's logger (and its handlers): DEBUG, INFO, WARNING, ERROR, CRITICAL (any case;
+    kept upper-case, the names `logging` and DeepSpeed use); null = unchanged. Default null."""
     disable_python_gc: bool = False
     """Collect once, then turn Python's automatic cyclic garbage collection off while the engine lives
     (``engine.collect_python_gc()`` collects on demand); restored by ``destroy()``. Default false."""

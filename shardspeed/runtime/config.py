@@ -19,7 +19,13 @@ from shardspeed.config.blocks import Bf16Config, Fp16Config
 from shardspeed.config.build import BuildContext, build_block
 from shardspeed.config.monitoring import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedMonitorConfig", "get_bfloat16_config", "get_float16_config"]
+__all__ = [
+    "DeepSpeedConfig",
+    "DeepSpeedMonitorConfig",
+    "get_bfloat16_config",
+    "get_float16_config",
+    "get_log_level",
+]
 
 
 @dataclass(kw_only=True)
@@ -103,3 +109,11 @@ def get_bfloat16_config(param_dict: dict) -> Bf16Config:
 def get_float16_config(param_dict: dict) -> Fp16Config:
     """DeepSpeed's `runtime.precision_config.get_float16_config`: the `fp16` block of a config dict."""
     return _block(param_dict, Fp16Config, ("fp16",))
+
+
+def get_log_level(param_dict: dict) -> str | None:
+    """DeepSpeed's `runtime.config.get_log_level`: the config's `log_level` as the engine keeps it (upper
+    case), None when absent; a value that is not a level is a ConfigError naming the key."""
+    if param_dict.get("log_level") is None:
+        return None
+    return load_config({"train_micro_batch_size_per_gpu": 1, "log_level": param_dict["log_level"]}).log_level

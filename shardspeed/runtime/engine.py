@@ -42,7 +42,7 @@ from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
 from shardspeed.runtime.zero.offload_states import StateOffloader
 from shardspeed.sequence.engine_part import SequenceParallelism
 from shardspeed.utils.logging import log_dist
-from shardspeed.utils.z3_leaf_module import apply_leaf_module_config
+from shardspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 from shardspeed.zero import init as zero_init
 from shardspeed.zero.zeropp import build_zeropp
 
@@ -101,7 +101,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
                 zero_init.materialize(p)
         self.module = model.to(device=self.device)
         cast_module(self.module, self.plan.param_dtype, config.data_types)
-        apply_leaf_module_config(self.module, config.zero_optimization.leaf_module)
+        apply_zero_leaf_module_config(self.module, config.zero_optimization.leaf_module)
         self.autocast = TorchAutocast.from_config(config, self.module, self.device)
         self.compiler = ModuleCompiler()
         self.states = StateOffloader(self)

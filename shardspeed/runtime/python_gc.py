@@ -75,7 +75,7 @@ class ProcessSettings:
         from shardspeed.utils.logging import logger
 
         if config.log_level is not None:
-            level = config.log_level.upper()
+            level = config.log_level
             logger.setLevel(level)
             for handler in logger.handlers:
                 handler.setLevel(level)

@@ -4,7 +4,7 @@ DeepSpeed gathers a "leaf" module's whole subtree at once instead of hooking eac
 whose forward touches parameters in a data-dependent order (mixture-of-experts blocks: tokens reach only
 some experts, so per-expert gathers would differ between ranks). shardspeed's stage 3 makes every marked
 module (`_z3_leaf`) one parameter unit, whatever its size (zero/param_units.py `plan_units`).
-`apply_leaf_module_config` marks what the config's `zero_optimization.leaf_module` names; Accelerate calls
+`apply_zero_leaf_module_config` marks what the config's `zero_optimization.leaf_module` names; Accelerate calls
 `set_z3_leaf_modules` itself for MoE models.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from shardspeed.utils.logging import logger
 
 __all__ = [
-    "apply_leaf_module_config",
+    "apply_zero_leaf_module_config",
     "get_z3_leaf_modules",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
@@ -91,7 +91,7 @@ def set_z3_leaf_modules_by_suffix(
     return list(marked.values()), missing
 
 
-def apply_leaf_module_config(model, config) -> list:
+def apply_zero_leaf_module_config(model, config) -> list:
     """Mark the modules `zero_optimization.leaf_module` selects (classes by name or ``package.Class``, module
     names, module-name suffixes). A selector the user wrote that matches nothing is logged."""
     from shardspeed.config.zero import DEFAULT_LEAF_MODULE_CLASSES

@@ -145,7 +145,7 @@ MALFORMED = [
         "zero_optimization.compute_grad_norm",
         "gradient_clipping",
     ),
-    (with_base(log_level="loud"), "log_level", "'debug'"),
+    (with_base(log_level="loud"), "log_level", "'DEBUG'"),
     (with_base(torch_autocast={"enabled": True, "dtype": "fp32"}), "torch_autocast.dtype", "lower precision"),
     (
         with_base(zero_optimization={"stage": 2, "cpu_offload": "yes"}),
