@@ -437,3 +437,19 @@ def test_fused_adam_state_dict_loads_into_torch_adamw():
     twin = torch.optim.AdamW(params, lr=0.01, weight_decay=0.0)
     twin.load_state_dict(opt.state_dict())
     assert float(twin.state_dict()["state"][0]["step"]) == 2.0
+
+
+def test_cpu_adagrad_steps_sparse_embedding_gradients_like_torch():
+    """The fused kernel refuses sparse gradients; such a step takes torch's per-tensor path, then fused again."""
+    torch.manual_seed(0)
+    ours, reference = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Embedding(10, 4, sparse=True)
+    reference.load_state_dict(ours.state_dict())
+    optimizer = DeepSpeedCPUAdagrad(ours.parameters(), lr=0.1)
+    expected = torch.optim.Adagrad(reference.parameters(), lr=0.1, eps=1e-10)
+    for _ in range(3):
+        for module, opt in ((ours, optimizer), (reference, expected)):
+            opt.zero_grad()
+            module(torch.tensor([1, 3, 3, 7])).sum().backward()
+            opt.step()
+    assert torch.equal(ours.weight, reference.weight)
+    assert optimizer.param_groups[0]["fused"] is True

@@ -37,8 +37,20 @@ class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
 
     @torch.no_grad()
     def step(self, closure=None, fp16_param_groups=None):
-        """One Adagrad step; `fp16_param_groups` (DeepSpeed's argument) receives a copy of the new values."""
-        loss = super().step(closure)
+        """One Adagrad step; `fp16_param_groups` (DeepSpeed's argument) receives a copy of the new values.
+        Sparse gradients (an `nn.Embedding(sparse=True)`) take torch's per-tensor path for that step: the
+        fused and foreach kernels refuse them."""
+        if any(p.grad is not None and p.grad.is_sparse for g in self.param_groups for p in g["params"]):
+            kernels = [(g["fused"], g["foreach"]) for g in self.param_groups]
+            for g in self.param_groups:
+                g["fused"], g["foreach"] = None, False
+            try:
+                loss = super().step(closure)
+            finally:
+                for g, (fused, foreach) in zip(self.param_groups, kernels):
+                    g["fused"], g["foreach"] = fused, foreach
+        else:
+            loss = super().step(closure)
         if fp16_param_groups is not None:
             copy_to_half_groups(self.param_groups, fp16_param_groups)
         return loss
