@@ -50,6 +50,15 @@ def _child(fn, rank: int, world_size: int, port: int, args, results) -> None:
             dist.destroy_process_group()
 
 
+def error_text(fn) -> str:
+    """ "<ExceptionType>: <message>" of what `fn()` raises, or "no error" (picklable, for a rank's result)."""
+    try:
+        fn()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

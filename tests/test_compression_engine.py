@@ -12,7 +12,7 @@ import pytest
 import torch
 from compression_common import Bert, batches, ds_config, every_technique, group, technique
 
-from harness import run_ranks
+from harness import error_text, run_ranks
 
 STEPS = 4
 LR = 0.1  # SGD with momentum: Adam would turn rounding-level gradients (a key bias) into lr-sized steps
@@ -198,17 +198,9 @@ def _world1_cases(directory: str) -> dict:
             fractions.append(float((query.compressed_weight()[0] != 0).float().mean()))
         trained = None if scores is None else not torch.equal(scores, query.sparse_mask_scores.detach())
         out[method] = (fractions, trained)
-    out["errors"] = [_error(_no_init_compression), _error(_bad_schedule_state)]
+    out["errors"] = [error_text(_no_init_compression), error_text(_bad_schedule_state)]
     out["script"] = _run_script(directory)
     return out
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def _no_init_compression():

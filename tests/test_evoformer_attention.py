@@ -11,13 +11,22 @@ holds more than a few blocks of logits, where the plain one holds the whole [B, 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from shardspeed.ops.deepspeed4science import DS4Sci_EvoformerAttention, EvoformerFusedAttention
 from shardspeed.ops.deepspeed4science.chunking import CHUNK_MB_ENV, WORKING_COPIES, plan_chunks
 from shardspeed.ops.deepspeed4science.reference import evoformer_attention_reference
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+# peak bytes live at once, from the CPU allocator's events as torch.profiler records them (exact, repeatable)
+from benchmarks.evoformer_cases import tracked_peak_bytes  # noqa: E402
 
 # [batch, n_seq, n_res, heads, dim]
 SHAPES = [(1, 5, 20, 3, 8), (2, 3, 17, 2, 16), (1, 4, 33, 4, 32)]
@@ -207,22 +216,6 @@ def test_environment_target_changes_the_blocks(monkeypatch):
             AttentionOptions().plan_for(q, kernel)
 
 
-def _peak_allocated(fn) -> int:
-    """Peak bytes live at once during fn(), from the CPU allocator's events as torch.profiler records them
-    (every allocation and free, in order: exact and the same on every run)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def test_blockwise_attention_never_holds_the_whole_logits():
     shape = batch, n_seq, n_res, heads, _ = (1, 16, 96, 2, 16)
     tensors, grad_out = _inputs(shape)
@@ -236,7 +229,7 @@ def test_blockwise_attention_never_holds_the_whole_logits():
             fn(*leaves[:3], leaves[3:]).backward(grad_out)
 
         run()  # warm-up, so lazily created state is not counted
-        return _peak_allocated(run)
+        return tracked_peak_bytes(run)
 
     # the output and dQ, dK, dV, the pair bias's gradient, the saved log-sum-exp and the mask's gradient
     unavoidable = 4 * leaves[0].nbytes + leaves[4].nbytes + 2 * logits // n_res

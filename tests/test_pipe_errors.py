@@ -19,7 +19,7 @@ from shardspeed.pipe.schedule import (
     TrainSchedule,
 )
 
-from harness import run_ranks
+from harness import error_text, run_ranks
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -27,14 +27,6 @@ CONFIG = {
     "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
     "steps_per_print": 1000,
 }
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # the test asserts on the type name and message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def pipeline_job():
@@ -52,30 +44,34 @@ def misuse() -> dict:
     from shardspeed.pipe import LayerSpec, PipelineModule
 
     out = {}
-    out["stages_not_dividing"] = _error(lambda: PipelineModule(layer_specs(), num_stages=3, loss_fn=loss_fn))
+    out["stages_not_dividing"] = error_text(
+        lambda: PipelineModule(layer_specs(), num_stages=3, loss_fn=loss_fn)
+    )
     three = [LayerSpec(torch.nn.Linear, 4, 4) for _ in range(3)]
-    out["too_many_stages"] = _error(lambda: PipelineModule(three, num_stages=4))
-    out["regex"] = _error(lambda: PipelineModule(layer_specs(), num_stages=2, partition_method="type:conv"))
+    out["too_many_stages"] = error_text(lambda: PipelineModule(three, num_stages=4))
+    out["regex"] = error_text(
+        lambda: PipelineModule(layer_specs(), num_stages=2, partition_method="type:conv")
+    )
     model = PipelineModule(
         layer_specs(), num_stages=4, loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED
     )
-    out["zero2"] = _error(
+    out["zero2"] = error_text(
         lambda: shardspeed.initialize(model=model, config=dict(CONFIG, zero_optimization={"stage": 2}))
     )
-    out["stages_key"] = _error(
+    out["stages_key"] = error_text(
         lambda: shardspeed.initialize(model=model, config=dict(CONFIG, pipeline={"stages": 2}))
     )
-    out["virtual_parts"] = _error(
+    out["virtual_parts"] = error_text(
         lambda: shardspeed.initialize(model=model, config=dict(CONFIG, pipeline={"virtual_stages": 2}))
     )
     eight = PipelineModule(layer_specs(blocks=6), num_stages=4, loss_fn=loss_fn)
-    out["virtual_gas"] = _error(
+    out["virtual_gas"] = error_text(
         lambda: shardspeed.initialize(
             model=eight, config=dict(CONFIG, gradient_accumulation_steps=2, pipeline={"virtual_stages": 2})
         )
     )
     eight.set_virtual_stages(1)
-    out["virtual_params"] = _error(
+    out["virtual_params"] = error_text(
         lambda: shardspeed.initialize(
             model=eight,
             model_parameters=list(model.parameters())[:2],
@@ -83,19 +79,19 @@ def misuse() -> dict:
         )
     )
     one_stage = PipelineModule(layer_specs(), num_stages=1, loss_fn=loss_fn)
-    out["virtual_one_stage"] = _error(
+    out["virtual_one_stage"] = error_text(
         lambda: shardspeed.initialize(model=one_stage, config=dict(CONFIG, pipeline={"virtual_stages": 2}))
     )
     engine, *_ = shardspeed.initialize(
         model=model, config=dict(CONFIG, pipeline={"activation_checkpoint_interval": 1})
     )
     out["interval"] = model.activation_checkpoint_interval
-    out["forward"] = _error(lambda: engine(torch.zeros(2, 6, dtype=torch.long)))
-    out["step"] = _error(engine.step)
-    out["no_data"] = _error(engine.train_batch)
+    out["forward"] = error_text(lambda: engine(torch.zeros(2, 6, dtype=torch.long)))
+    out["step"] = error_text(engine.step)
+    out["no_data"] = error_text(engine.train_batch)
     inputs, labels = global_batches(1, 8)
     short = replica_iterator(inputs, labels, range(1), 0, 1, 2, 2)  # 2 micro-batches where 4 are needed
-    out["dry"] = _error(lambda: engine.train_batch(short))
+    out["dry"] = error_text(lambda: engine.train_batch(short))
     return out
 
 

@@ -4,7 +4,7 @@ unsharded one), ZeRO 0/1/2 over the data axis, gradient accumulation, bf16 withi
 vocabulary-parallel head, activation checkpointing with partition_activations; per-rank parameter counts;
 tp_model_init; config errors; tensor-parallel getters."""
 
-from harness import run_ranks
+from harness import error_text, run_ranks
 
 TP2 = [  # (model, zero, clip, gas, dtype, vocab_parallel, activation checkpointing with partition_activations)
     ("llama", 0, 0.5, 1, "fp32", False, True),
@@ -23,14 +23,6 @@ TP2_DP2 = [
 # difference is rounding in another summation order (a tensor-split matmul). Measured after 3 steps (bf16):
 # losses equal, parameters within 0.003 (AdamW turns a rounding-sized gradient difference into an lr step).
 MIXED_TOLERANCE = {"param_diff": 1e-2, "loss_diff": 1e-2}
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def data_parallel_run(kind, zero, clip, gas, dtype):
@@ -118,15 +110,15 @@ def training_job(cases, with_errors: bool):
         out["tp_model_init"] = (engine.tensor_parallel.size, len(engine.tensor_parallel.report.row))
         engine.destroy()
         conflicting = shardspeed.tp_model_init(tp_models.build("llama"), tp_size=2, dtype=torch.float32)
-        out["tp_model_init_conflict"] = _error(lambda: shardspeed.initialize(model=conflicting,
+        out["tp_model_init_conflict"] = error_text(lambda: shardspeed.initialize(model=conflicting,
                                                                             optimizer=tp_common.adamw,
                                                                             config=tp_common.config(3)))  # fmt: skip
-        out["not_dividing"] = _error(lambda: shardspeed.initialize(model=tp_models.build("llama"),
+        out["not_dividing"] = error_text(lambda: shardspeed.initialize(model=tp_models.build("llama"),
                                                                   optimizer=tp_common.adamw,
                                                                   config=tp_common.config(3)))  # fmt: skip
-        out["stage3"] = _error(lambda: shardspeed.initialize(model=tp_models.build("llama"), optimizer=tp_common.adamw,
+        out["stage3"] = error_text(lambda: shardspeed.initialize(model=tp_models.build("llama"), optimizer=tp_common.adamw,
                                                             config=tp_common.config(2, zero=3)))  # fmt: skip
-        out["kv_heads"] = _error(lambda: shardspeed.initialize(model=tp_models.build("llama", kv_heads=1),
+        out["kv_heads"] = error_text(lambda: shardspeed.initialize(model=tp_models.build("llama", kv_heads=1),
                                                               optimizer=tp_common.adamw, config=tp_common.config(2)))  # fmt: skip
     return out
 
