@@ -331,3 +331,62 @@ def test_comms_logger_answers_deepspeeds_queries_without_reordering_records():
     assert logger.get_operation_summary("broadcast") is None
     logger.reset_data()
     assert not logger.has_data()
+
+
+def test_deepspeed_zero_config_is_the_checked_block_under_deepspeeds_field_names():
+    import shardspeed
+    from shardspeed.config import ConfigError
+    from shardspeed.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+
+    zero_config = shardspeed.runtime.zero.config
+    config = zero_config.DeepSpeedZeroConfig(cpu_offload_param=True)  # deprecated form, mapped
+    assert isinstance(config.offload_param, OffloadParamConfig) and config.offload_param.device == "cpu"
+    assert isinstance(
+        zero_config.DeepSpeedZeroConfig(cpu_offload=True).offload_optimizer, OffloadOptimizerConfig
+    )
+    assert zero_config.DeepSpeedZeroConfig(
+        stage3_gather_fp16_weights_on_model_save=True
+    ).gather_16bit_weights_on_model_save
+    config = zero_config.DeepSpeedZeroConfig(stage3_prefetch_bucket_size=12345, stage3_max_reuse_distance=7)
+    assert (config.prefetch_bucket_size, config.max_reuse_distance) == (12345, 7)
+    assert zero_config.DeepSpeedZeroConfig().offload_param is None
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage: must be one of"):
+        zero_config.DeepSpeedZeroConfig(stage=7)
+    assert zero_config.DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline
+    assert not zero_config.DeepSpeedZeroOffloadOptimizerConfig().pipeline
+    leaf = shardspeed.runtime.zero.leaf_module_config
+    assert leaf.DeepSpeedZeroLeafModuleConfig().classes == list(leaf.DEFAULT_LEAF_MODULE_CLASSES)
+    assert leaf.DEFAULT_LEAF_MODULE_NAMES == () and leaf.DEFAULT_LEAF_MODULE_NAME_SUFFIXES == ()
+
+
+def test_deepspeed_config_resolves_batch_sizes_set_on_it_or_raises_assertion_error():
+    import shardspeed
+
+    config = shardspeed.runtime.config.DeepSpeedConfig(
+        {"train_batch_size": 2, "gradient_accumulation_steps": 1}
+    )
+    config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = (
+        32,
+        None,
+        2,
+    )
+    config._configure_train_batch_size()
+    assert config.train_micro_batch_size_per_gpu == 16
+    config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = (
+        33,
+        17,
+        2,
+    )
+    with pytest.raises(AssertionError, match="train_batch_size"):
+        config._configure_train_batch_size()
+
+
+def test_pipeline_use_reentrant_false_is_what_runs_and_true_is_refused():
+    from shardspeed.config import ConfigError, load_config
+
+    assert (
+        load_config({"train_batch_size": 1, "pipeline": {"use_reentrant": False}}).pipeline.use_reentrant
+        is False
+    )
+    with pytest.raises(ConfigError, match=r"pipeline\.use_reentrant: true is not supported"):
+        load_config({"train_batch_size": 1, "pipeline": {"use_reentrant": True}})

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
 from .blocks import NonNegInt, PositiveInt
-from .build import Key
+from .build import Key, join
+from .errors import ConfigError
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -143,6 +144,18 @@ class PipelineConfig:
     """Partition activations sent between stages over model-parallel ranks. Default true."""
     grad_partitioned: bool = True
     """Partition gradients sent between stages. Default true."""
+    use_reentrant: bool | None = None
+    """DeepSpeed's choice of checkpoint function for `activation_checkpoint_interval`: shardspeed always
+    checkpoints non-reentrantly (no need for inputs that require grad; the same results), so false is what
+    happens anyway and true is refused. Default null."""
+
+    def validate(self, path: str) -> None:
+        if self.use_reentrant:
+            raise ConfigError(
+                f"{join(path, 'use_reentrant')}: true is not supported by shardspeed (pipeline activation "
+                "checkpointing is always non-reentrant: torch.utils.checkpoint with use_reentrant=False); remove "
+                "the key or set it false"
+            )
 
 
 @dataclass(kw_only=True)

@@ -58,8 +58,8 @@ def check_gradient_predivide(cfg: ShardspeedConfig) -> None:
 def check_gradient_allreduce_op(cfg: ShardspeedConfig) -> None:
     if cfg.gradient_allreduce_op == "sum" and cfg.zero_optimization.stage == 3:
         raise ConfigError(
-            "gradient_allreduce_op: 'sum' is not supported with zero_optimization.stage 3 (as in DeepSpeed); "
-            "use 'mean' or a lower stage"
+            "gradient_allreduce_op: 'sum' is not supported with ZeRO stage 3 (zero_optimization.stage 3, as in "
+            "DeepSpeed); use 'mean' or a lower stage"
         )
 
 

@@ -83,6 +83,11 @@ class OffloadOptimizerConfig(_OffloadBlock):
     cpuadam_cores_perc: Annotated[float, Key(ge=0, le=1)] = 0.8
     """Share of CPU cores for the CPU optimizer under super_offload. Default 0.8."""
 
+    @property
+    def pipeline(self) -> bool:
+        """Whether NVMe reads or writes overlap the step (DeepSpeed's derived field)."""
+        return self.pipeline_read or self.pipeline_write
+
 
 # Hugging Face MoE blocks DeepSpeed 0.19 treats as ZeRO-3 leaf modules by default: tokens reach only some
 # experts, so hooks per expert would run different collectives on different ranks.
@@ -91,6 +96,8 @@ DEFAULT_LEAF_MODULE_CLASSES = (
     "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
 )
+DEFAULT_LEAF_MODULE_NAMES = ()
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES = ()
 
 
 def _as_list(value: Any) -> Any:
@@ -115,9 +122,13 @@ class LeafModuleConfig:
     )
     """Module classes, by class name or ``package.module.Class``. Default: Mixtral's, Qwen2-MoE's and
     Qwen3-MoE's sparse MoE blocks."""
-    names: Annotated[list[str], Key(normalize=_as_list)] = field(default_factory=list)
+    names: Annotated[list[str], Key(normalize=_as_list)] = field(
+        default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES)
+    )
     """Module names (as ``model.named_modules()`` gives them). Default []."""
-    name_suffixes: Annotated[list[str], Key(normalize=_as_list)] = field(default_factory=list)
+    name_suffixes: Annotated[list[str], Key(normalize=_as_list)] = field(
+        default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+    )
     """Module-name suffixes (e.g. "mlp.experts"). Default []."""
 
     def __post_init__(self) -> None:

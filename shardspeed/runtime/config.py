@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from shardspeed.config import load_config
+from shardspeed.config import ConfigError, load_config, resolve_batch_sizes
 from shardspeed.config.blocks import Bf16Config, Fp16Config
 from shardspeed.config.build import BuildContext, build_block
 from shardspeed.config.monitoring import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig
@@ -88,6 +88,21 @@ class DeepSpeedConfig:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.loaded, name)
+
+    def _configure_train_batch_size(self) -> None:
+        """DeepSpeed's method (its tests set the three batch attributes, then call it): resolve them as
+        `initialize` does, filling in the one missing; AssertionError, as DeepSpeed raises, when they cannot
+        agree (the message names the keys)."""
+        try:
+            resolved = resolve_batch_sizes(
+                self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
+                self.world_size,
+            )  # fmt: skip
+        except ConfigError as error:
+            raise AssertionError(str(error)) from error
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = (
+            resolved
+        )
 
     def print(self, name: str = "DeepSpeedConfig") -> None:
         print(f"{name}: {self.loaded.to_dict()}")
