@@ -356,7 +356,7 @@ def test_deepspeed_zero_config_is_the_checked_block_under_deepspeeds_field_names
     assert not zero_config.DeepSpeedZeroOffloadOptimizerConfig().pipeline
     leaf = shardspeed.runtime.zero.leaf_module_config
     assert leaf.DeepSpeedZeroLeafModuleConfig().classes == list(leaf.DEFAULT_LEAF_MODULE_CLASSES)
-    assert leaf.DEFAULT_LEAF_MODULE_NAMES == () and leaf.DEFAULT_LEAF_MODULE_NAME_SUFFIXES == ()
+    assert leaf.DEFAULT_LEAF_MODULE_NAMES == [] and leaf.DEFAULT_LEAF_MODULE_NAME_SUFFIXES == []
 
 
 def test_deepspeed_config_resolves_batch_sizes_set_on_it_or_raises_assertion_error():

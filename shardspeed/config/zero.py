@@ -91,13 +91,14 @@ class OffloadOptimizerConfig(_OffloadBlock):
 
 # Hugging Face MoE blocks DeepSpeed 0.19 treats as ZeRO-3 leaf modules by default: tokens reach only some
 # experts, so hooks per expert would run different collectives on different ranks.
-DEFAULT_LEAF_MODULE_CLASSES = (
+# (lists, as DeepSpeed's; the config's defaults are copies of them)
+DEFAULT_LEAF_MODULE_CLASSES = [
     "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
     "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-)
-DEFAULT_LEAF_MODULE_NAMES = ()
-DEFAULT_LEAF_MODULE_NAME_SUFFIXES = ()
+]
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
 
 
 def _as_list(value: Any) -> Any:
