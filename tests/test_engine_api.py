@@ -53,7 +53,12 @@ def _api_cases(config_path: str) -> dict:
         try:
             engine.step()
         except RuntimeError as err:
-            out["step_in_no_sync"] = str(err)
+            out["step_in_no_sync"] = (str(err), isinstance(err, AssertionError))  # DeepSpeed asserts
+        try:
+            with engine.no_sync():
+                pass
+        except AssertionError as err:
+            out["nested_no_sync"] = str(err)
     gathered = [torch.empty_like(local["tok.weight"]) for _ in range(world)]
     dist.all_gather(gathered, local["tok.weight"])
     out["no_sync_grads_differ"] = not torch.equal(gathered[0], gathered[-1])
@@ -102,7 +107,11 @@ def test_initialize_and_engine_api(tmp_path):
     assert r0["boundary_flags"] == [False, False, True, True]
     assert r0["counters"] == (1, 2, 8, 0)
     assert r0["grad_norm_positive"]
-    assert "no_sync" in r0["step_in_no_sync"]
+    assert (
+        "illegal to call Engine.step() inside no_sync" in r0["step_in_no_sync"][0]
+        and r0["step_in_no_sync"][1]
+    )
+    assert "reentry is unsupported" in r0["nested_no_sync"]
     assert r0["no_sync_grads_differ"]  # gradients were not averaged inside no_sync
     assert r0["gas_after_set"] == 4
     assert "not divisible" in r0["bad_batch"]
@@ -113,6 +122,40 @@ def test_initialize_and_engine_api(tmp_path):
     shard0, shard1 = (set(r["epochs"][0]) for r in results)
     assert not shard0 & shard1 and shard0 | shard1 == set(range(16))
     assert r0["epochs"][0] != r0["epochs"][1]  # reshuffled
+
+
+def _no_sync_cases(_: int) -> dict:
+    """bf16 at stage 0 keeps fp32 gradients in its buckets, not in `.grad`: the accessor reads them there."""
+    import torch.distributed as dist
+
+    import shardspeed
+    from shardspeed.utils import safe_get_full_grad
+
+    out = {}
+    engine, *_ = shardspeed.initialize(model=TinyGPT(), config={**base_config(), "bf16": {"enabled": True}})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = token_batches(2, engine.train_batch_size())
+    with engine.no_sync():
+        engine.backward(engine(micro_batch(data, 0, 0, rank, world, 2)))
+        local = safe_get_full_grad(engine.module.tok.weight)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    out["local_grads"] = (local.dtype, local.norm().item() > 0, not torch.equal(gathered[0], gathered[1]))
+    stage2, *_ = shardspeed.initialize(
+        model=TinyGPT(), config={**base_config(), "zero_optimization": {"stage": 2}}
+    )
+    try:
+        with stage2.no_sync():
+            pass
+    except AssertionError as err:
+        out["stage2"] = str(err)
+    return out
+
+
+def test_no_sync_keeps_gradients_local_and_refuses_what_deepspeed_refuses():
+    r0, _ = run_ranks(_no_sync_cases, 2, 0)
+    assert r0["local_grads"] == (torch.float32, True, True)
+    assert "no_sync context manager is incompatible with ZeRO stage 2 or 3" in r0["stage2"]
 
 
 def _config_errors(_: int) -> dict:

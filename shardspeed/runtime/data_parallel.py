@@ -113,6 +113,15 @@ class DataParallelOptimizer(OptimizerWrapper):
             for p in bucket.params:
                 self.masters[p].grad = None
 
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """`param`'s gradient as the step will use it: its slice of the bucket buffer (where a 16-bit
+        parameter's fp32 gradient accumulates, `param.grad` staying None), else `param.grad`."""
+        for bucket in self.reducer.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if p is param:
+                    return view
+        return param.grad
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none  # gradients live in persistent buckets; zeroing them is the equivalent
         self.reducer.zero()

@@ -39,6 +39,7 @@ from shardspeed.runtime.precision import PrecisionPlan
 from shardspeed.runtime.python_gc import ProcessSettings
 from shardspeed.runtime.stage_wrappers import wrap_optimizer
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
+from shardspeed.runtime.usage_errors import EngineUsageError
 from shardspeed.runtime.zero.offload_states import StateOffloader
 from shardspeed.sequence.engine_part import SequenceParallelism
 from shardspeed.utils.logging import log_dist
@@ -229,8 +230,9 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call once per micro-batch; the optimizer runs at the accumulation boundary."""
         if self._in_no_sync:
-            raise RuntimeError(
-                "engine.step() is not allowed inside engine.no_sync(); leave the context first"
+            raise EngineUsageError(
+                "It is illegal to call Engine.step() inside no_sync context manager: gradients were not "
+                "averaged across ranks; leave engine.no_sync() first"
             )
         self.states.check_resident("step")
         self._step_applied = False
@@ -278,11 +280,14 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
     def no_sync(self):
         """Accumulate gradients locally without averaging them across ranks."""
         if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(
-                "no_sync() is not supported with ZeRO stage 2 or 3 (gradients are partitioned)"
+            raise EngineUsageError(
+                "no_sync context manager is incompatible with ZeRO stage 2 or 3 (gradients are partitioned "
+                "as they are reduced); use gradient_accumulation_steps instead"
             )
         if self._in_no_sync:
-            raise RuntimeError("no_sync() contexts cannot be nested")
+            raise EngineUsageError(
+                "no_sync context manager reentry is unsupported: no_sync() is already active"
+            )
         self._in_no_sync = True
         try:
             yield

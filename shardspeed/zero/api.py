@@ -123,7 +123,8 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
         return None
     wrapper, index = owner
     if index is None:
-        return None if param.grad is None else param.grad.detach().float().clone()
+        grad = wrapper.gradient_of(param)
+        return None if grad is None else grad.detach().float().clone()
     shard = wrapper.gradient_shard(index)
     return _param_slice(wrapper, index, param, _full_from_shards(wrapper, index, shard.float()))
 
