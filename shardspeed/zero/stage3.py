@@ -98,7 +98,9 @@ class Stage3Coordinator:
     @staticmethod
     def _modules_and_units(root: nn.Module, by_module, owner):
         """Unit roots need their own units; any module using a parameter of a unit that is not gathered
-        around it (a tied weight) needs that unit too."""
+        around it (a tied weight) needs that unit too. The root is always hooked, even with no units of its
+        own, so that a parameter its forward reads directly (`F.linear(x, self.child.weight)` after the child
+        ran) has a running module to be gathered for."""
         result = []
 
         def visit(module: nn.Module, covering: set[int]) -> None:
@@ -109,7 +111,7 @@ class Stage3Coordinator:
                 unit = owner.get(id(p)) if p is not None else None
                 if unit is not None and id(unit) not in covering and unit not in external:
                     external.append(unit)
-            if own or external:
+            if own or external or module is root:
                 result.append((module, own + external))
             for child in module.children():
                 visit(child, covering)
