@@ -41,6 +41,31 @@ def _train_ep2(stage: int, k: int, drop: bool, ckpt: bool = False):
     return state
 
 
+def _expert_grads(ep_size: int, stage: int) -> dict:
+    """safe_get_full_grad of every expert weight this rank holds, by global expert index, after one
+    backward on this rank's slice of the global batch (no step)."""
+    import torch.distributed as dist
+
+    import shardspeed
+    from shardspeed.utils import safe_get_full_grad
+
+    rank = dist.get_rank()
+    ep_rank = rank if ep_size == 2 else 0
+    model = build(ep_size, ep_rank, 1, True)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
+    engine, *_ = shardspeed.initialize(
+        model=model, optimizer=torch.optim.Adam(model.parameters()), config=config
+    )
+    xs, ys = data(1, MICRO * 2)
+    sl = slice(rank * MICRO, (rank + 1) * MICRO)
+    engine.backward(engine(xs[0, sl], ys[0, sl]))
+    experts = engine.module.moe.deepspeed_moe.experts.deepspeed_experts
+    local = len(experts)
+    grads = {ep_rank * local + i: safe_get_full_grad(e.up.weight) for i, e in enumerate(experts)}
+    engine.destroy()
+    return grads
+
+
 def _routing_first_batch(k: int, drop: bool):
     """l_aux and exp_counts of this rank's first micro-batch at ep 2 (the layer alone, no engine)."""
     import torch.distributed as dist
@@ -170,3 +195,21 @@ def _check_routing(ranks):
             ref_l_aux, ref_counts = reference_routing(logits, k)
             torch.testing.assert_close(l_aux, ref_l_aux, rtol=1e-6, atol=1e-7)
             assert counts.tolist() == ref_counts
+
+
+def test_expert_gradients_read_through_the_accessors_do_not_depend_on_ep_size():
+    """What safe_get_full_grad shows for an expert is the gradient the step uses, the same at ep 1 and 2
+    (DeepSpeed 0.19 averages expert gradients over the whole data-parallel world too)."""
+    ranks = run_ranks(_expert_grads_only, 2, timeout=300)
+    for stage in (0, 2):
+        for rank in ranks:
+            for expert, grad in rank[(2, stage)].items():
+                assert grad.norm() > 0
+                assert torch.allclose(grad, rank[(1, stage)][expert], rtol=1e-5, atol=1e-7), (stage, expert)
+
+
+def _expert_grads_only():
+    import shardspeed
+
+    shardspeed.init_distributed()
+    return {(ep, stage): _expert_grads(ep, stage) for ep in (1, 2) for stage in (0, 2)}

@@ -11,7 +11,8 @@ Scaling. A rank's loss is the mean over its own tokens, and an expert receives t
 of its expert-parallel group, so after averaging over the expert-data-parallel group (`edp` ranks) an
 expert gradient is `ep` times the gradient of the mean loss over the data-parallel world (`dp = ep·edp`).
 Each expert domain's gradients are multiplied by `edp / dp` (folded into the step's multiplier), which
-makes training at any ep size match ep 1. (DeepSpeed leaves that factor of `ep` in; docs/compatibility.md.)
+makes training at any ep size match ep 1, as DeepSpeed 0.19 does (it divides expert sums by `dp`). The
+gradient accessors apply the same factor (`OptimizerWrapper.gradient_scale`).
 
 Norm and overflow. The global norm combines every domain: the dense norm, plus for each expert domain the
 sum over its expert-parallel group of the (scaled) norms, so each expert shard is counted once. One

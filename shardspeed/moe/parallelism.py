@@ -83,9 +83,8 @@ class ExpertParallelism:
             mine = [(n, p) for n, p in named if is_moe_param(p) and p.group_name == name]
             owned = {id(p) for _, p in everything if is_moe_param(p) and p.group_name == name}
             wrapper = wrap_params(optimizer, mine, group.edp_group, owned)
-            domains.append(
-                ReductionDomain(name, wrapper, group.edp_size / group.dp_world_size, group.ep_group)
-            )
+            wrapper.gradient_scale = group.edp_size / group.dp_world_size
+            domains.append(ReductionDomain(name, wrapper, wrapper.gradient_scale, group.ep_group))
         return ExpertParallelOptimizer(optimizer, domains, scaler=scaler, clip=clip)
 
     def expert_rank(self, name: str) -> int:

@@ -23,6 +23,10 @@ class OptimizerWrapper:
     # `zero_optimization.compute_grad_norm: false` (stages 1-2, no clipping): no norm is taken; a step is
     # still skipped on inf/nan gradients where the scaler checks for them. `grad_norm` is then None.
     compute_grad_norm = True
+    # What the step multiplies this wrapper's reduced gradients by before using them (an MoE expert domain:
+    # edp / dp, moe/optimizer.py); the gradient accessors (safe_get_full_grad, ...) apply it, so they show
+    # and take the gradient the step uses.
+    gradient_scale = 1.0
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary. Returns False when an overflow skipped it."""

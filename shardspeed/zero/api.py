@@ -117,16 +117,17 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
-    """The full averaged gradient of `param` after backward (collective for stages 1-3)."""
+    """The full averaged gradient of `param` after backward, as the step will use it (collective for
+    stages 1-3)."""
     owner = _owner(param)
     if owner is None:
         return None
     wrapper, index = owner
     if index is None:
         grad = wrapper.gradient_of(param)
-        return None if grad is None else grad.detach().float().clone()
-    shard = wrapper.gradient_shard(index)
-    return _param_slice(wrapper, index, param, _full_from_shards(wrapper, index, shard.float()))
+        return None if grad is None else grad.detach().float() * wrapper.gradient_scale
+    shard = wrapper.gradient_shard(index).float() * wrapper.gradient_scale
+    return _param_slice(wrapper, index, param, _full_from_shards(wrapper, index, shard))
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:

@@ -71,18 +71,21 @@ def _gradient_shard(wrapper, index: int, call: str) -> torch.Tensor:
 
 
 def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
-    """This rank's part of `param`'s reduced gradient (in the gradient-accumulation dtype)."""
+    """This rank's part of `param`'s reduced gradient (in the gradient-accumulation dtype), as the step will
+    use it."""
     wrapper, index = _owner(param, "safe_get_local_grad")
     if index is None:
-        return None if param.grad is None else param.grad.detach().clone()
-    return _local(wrapper.gradient_shard(index), _fragment(wrapper, index, param)).clone()
+        grad = wrapper.gradient_of(param)
+        return None if grad is None else grad.detach() * wrapper.gradient_scale
+    return _local(wrapper.gradient_shard(index), _fragment(wrapper, index, param)) * wrapper.gradient_scale
 
 
 def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     """Overwrite this rank's part of `param`'s reduced gradient (before `engine.step()`)."""
     wrapper, index = _owner(param, "safe_set_local_grad")
+    value = value / wrapper.gradient_scale
     if index is None:
-        param.grad.copy_(value.reshape(param.grad.shape))
+        wrapper.gradient_of(param).copy_(value.reshape(param.shape))
         return
     shard = _gradient_shard(wrapper, index, "safe_set_local_grad")
     _write(shard, _fragment(wrapper, index, param), value, "safe_set_local_grad")
@@ -91,8 +94,9 @@ def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
 def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     """Overwrite `param`'s gradient with the full `value` (given on every rank; each keeps its part)."""
     wrapper, index = _owner(param, "safe_set_full_grad")
+    value = value / wrapper.gradient_scale
     if index is None:
-        param.grad.copy_(value.reshape(param.grad.shape))
+        wrapper.gradient_of(param).copy_(value.reshape(param.shape))
         return
     fragment = _fragment(wrapper, index, param)
     piece = value.reshape(-1)[fragment[0] : fragment[0] + fragment[2]] if fragment else value.new_empty(0)
