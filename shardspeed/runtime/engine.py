@@ -129,6 +129,11 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             module=self.module, moe=self.moe is not None,
         )  # fmt: skip
         self.optimizer = self._wrap_optimizer(client_optimizer) if client_optimizer is not None else None
+        if self.optimizer is None and self.zero_optimization_stage() == 3:
+            # ZeRO-3 inference (no optimizer, as Hugging Face's evaluation-only path runs it): the stage-3
+            # wrapper still partitions the parameters and gathers them around each forward; its optimizer
+            # never steps (backward and step refuse without a real one).
+            self.optimizer = self._wrap_optimizer(_gather_only_optimizer(self.module))
         self.basic_optimizer = client_optimizer
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
 
@@ -210,7 +215,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         Returns the loss divided by the accumulation steps, in the loss's own dtype (a bf16 model's loss
         stays bf16), as DeepSpeed 0.19 does.
         """
-        if self.optimizer is None:
+        if self.basic_optimizer is None:
             raise RuntimeError(
                 "engine.backward needs an optimizer: pass one to initialize() or configure 'optimizer'"
             )
@@ -229,6 +234,10 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call once per micro-batch; the optimizer runs at the accumulation boundary."""
+        if self.basic_optimizer is None:
+            raise RuntimeError(
+                "engine.step needs an optimizer: pass one to initialize() or configure 'optimizer'"
+            )
         if self._in_no_sync:
             raise EngineUsageError(
                 "It is illegal to call Engine.step() inside no_sync context manager: gradients were not "
@@ -430,3 +439,10 @@ def _cast_floating(obj, dtype: torch.dtype):
 
 
 DeepSpeedEngine = ShardspeedEngine  # DeepSpeed's class name (`deepspeed.runtime.engine.DeepSpeedEngine`)
+
+
+def _gather_only_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+    """A torch optimizer that never steps, over the trainable parameters (a zero-size stand-in when there are
+    none): what the ZeRO-3 wrapper is built around when there is no optimizer."""
+    params = [p for p in module.parameters() if p.requires_grad] or [nn.Parameter(torch.zeros(0))]
+    return torch.optim.Adam(params, lr=0.0)  # its state is made at the first step, which never comes
