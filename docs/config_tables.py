@@ -32,7 +32,8 @@ from shardspeed.config.implemented import IMPLEMENTED, REMOVED_IN_DEEPSPEED  # n
 
 INTRO = """## Every key
 
-Types: `int` fields accept integral floats (`5e8`); `number` fields accept integers. Sizes are counts
+Types: `int` fields accept integral floats (`5e8`); `number` fields accept integers; `bool` fields accept 0 and 1
+as DeepSpeed's blocks do (other numbers and strings are errors). Sizes are counts
 of elements, not bytes. dtype fields accept `fp32`/`fp16`/`bf16` and DeepSpeed's other spellings
 (`float32`, `half`, `bfloat16`, `torch.float16`, ...), case-insensitively. "honoured" says what shardspeed
 does with a key: **yes** (implemented, or honoured by construction), or **refused** (a value other than the

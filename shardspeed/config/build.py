@@ -284,6 +284,8 @@ def _is_number(value: Any) -> bool:
 def _coerce_scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is bool and isinstance(value, bool):
         return value
+    if tp is bool and type(value) is int and value in (0, 1):
+        return bool(value)  # DeepSpeed's (pydantic) blocks take 0/1, and its own tests write them
     if tp is int and _is_number(value) and float(value).is_integer():
         return int(value)
     if tp is float and _is_number(value):

@@ -452,3 +452,14 @@ def test_implemented_set_is_extendable_and_names_real_keys():
 
     top_level = {name for name in ShardspeedConfig.__dataclass_fields__}
     assert {key.split(".")[0] for key in IMPLEMENTED} <= top_level
+
+
+def test_booleans_written_as_0_or_1_are_taken_as_deepspeeds_blocks_take_them():
+    from shardspeed.config import ConfigError, load_config
+
+    cfg = load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": 1, "wall_clock_breakdown": 0})
+    assert cfg.zero_allow_untested_optimizer is True and cfg.wall_clock_breakdown is False
+    with pytest.raises(
+        ConfigError, match=r"zero_allow_untested_optimizer: expected a boolean \(true/false\), got 2"
+    ):
+        load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": 2})

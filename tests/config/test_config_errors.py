@@ -110,7 +110,7 @@ MALFORMED = [
         "'Ignore', 'Warn', 'Fail'",
     ),
     (
-        with_base(checkpoint={"parallel_write": {"pipeline_stage": 1}}),
+        with_base(checkpoint={"parallel_write": {"pipeline_stage": 2}}),
         "checkpoint.parallel_write.pipeline_stage",
         "boolean",
     ),
