@@ -101,3 +101,26 @@ def _export_refused(root: str) -> bool:
 def test_save_16bit_model_needs_the_gather_flag_under_stage3(tmp_path):
     assert run_ranks(_export_refused, 2, str(tmp_path)) == [False, False]
     assert not (tmp_path / "pytorch_model.bin").exists()
+
+
+def _taken_views() -> dict:
+    import shardspeed
+
+    engine = _engine(3, stage3_param_persistence_threshold=0)
+    engine.backward(engine(token_batches(1, 4)[0][:2]))
+    engine.step()
+    taken, copies = {}, {}
+    for name, p in engine.module.named_parameters():
+        with shardspeed.zero.GatheredParameters(p):
+            taken[name], copies[name] = p.detach(), p.detach().clone()
+    released = all(p.numel() == 0 for p in engine.module.parameters())
+    engine.backward(engine(token_batches(1, 4)[0][:2]))  # the units gather and release again
+    engine.step()
+    return {"kept": all(torch.equal(taken[n], copies[n]) for n in taken), "released": released}
+
+
+def test_tensors_taken_inside_gathered_parameters_keep_their_values():
+    """As in DeepSpeed: `p.detach()` inside the block stays valid after it (the buffer is let go, not
+    freed in place); the parameters themselves are released."""
+    for result in run_ranks(_taken_views, 2):
+        assert result == {"kept": True, "released": True}

@@ -65,7 +65,7 @@ class GatheredParameters:
                     unit.on_modified()
             unit.refs -= 1
             if unit.refs == 0:
-                unit.free()
+                unit.free(keep_taken_views=True)
         return False
 
 

@@ -226,10 +226,19 @@ class ParamUnit(FlatParamBucket):
             if not self._dirty:
                 self.evict()  # an unchanged offloaded shard is not needed while its unit is gathered
 
-    def free(self) -> None:
-        """Drop the full buffer; parameters become empty until the next gather."""
+    def free(self, keep_taken_views: bool = False) -> None:
+        """Drop the full buffer; parameters become empty until the next gather.
+
+        `keep_taken_views` (the end of a user's `GatheredParameters` block): tensors the user took from the
+        parameters inside the block (`p.detach()`) keep their values, as in DeepSpeed: the buffer is let go
+        (freed once the last such tensor is) and the next gather fills a new one, instead of freeing the
+        storage in place [Note: one storage]. Only while no backward needs the unit's saved views."""
         if self.persistent:
             return
+        if keep_taken_views and not self.awaiting_grads:
+            self.wait()
+            self._full = torch.empty_like(self._full)
+            self._full.untyped_storage().resize_(0)
         self.wait()
         if self.weights is not None:
             self.weights.keep_secondary(self)  # hpZ: before the buffer goes
