@@ -61,6 +61,7 @@ class _Bf16Loss(MLP):
 def _surface(root: str) -> dict:
     import gc
 
+    from shardspeed.utils import safe_set_full_grad
     from shardspeed.utils.logging import logger
 
     rank, out = int(os.environ["RANK"]), {}  # the process group starts with the first engine
@@ -118,16 +119,21 @@ def _surface(root: str) -> dict:
     )
 
     # check_grad_overflow: bf16 skips a step with inf gradients unless told not to (and then gets nan)
-    for check in (True, False):
+    # (at ZeRO-1 too, where the fused Adam kernel unscales: clipping an inf norm gives a multiplier of 0)
+    for check, stage in ((True, 0), (False, 0), (False, 1)):
         engine = make_engine(
-            config(bf16={"enabled": True, "check_grad_overflow": check}, gradient_accumulation_steps=1)
-        )
+            config(bf16={"enabled": True, "check_grad_overflow": check}, gradient_accumulation_steps=1,
+                   zero_optimization={"stage": stage}, gradient_clipping=1.0,
+                   optimizer={"type": "Adam", "params": {"lr": 1e-3}})
+        )  # fmt: skip
         start = params(engine)
         loss = engine(torch.randn(2, 8).bfloat16())
-        engine.backward(loss * torch.tensor(float("inf"), dtype=torch.bfloat16))
+        engine.backward(loss)
+        for p in engine.module.parameters():  # every gradient inf: the norm is inf (not nan)
+            safe_set_full_grad(p, torch.full(p.shape, float("inf")))
         engine.step()
         after = params(engine)
-        out[f"inf step, check {check}"] = (engine.skipped_steps, same(start, after),
+        out[f"inf step, check {check}, stage {stage}"] = (engine.skipped_steps, same(start, after),
                                            all(torch.isfinite(v).all().item() for v in after.values()))  # fmt: skip
     # compute_grad_norm false still skips an overflowing fp16 step (a MAX all-reduce of a flag, no norm)
     fp16 = make_engine(config(fp16={"enabled": True}, zero_optimization={"stage": 1, "compute_grad_norm": False},
@@ -164,8 +170,10 @@ def test_surface_and_gradient_keys():
         for stage in (0, 1, 2):
             assert out[f"sum is world x mean, stage {stage}"], stage
         assert out["compute_grad_norm"] == (True, True, None)
-        assert out["inf step, check True"] == (1, True, True)  # skipped, unchanged
-        assert out["inf step, check False"][0] == 0 and not out["inf step, check False"][2]  # applied: nan
+        assert out["inf step, check True, stage 0"] == (1, True, True)  # skipped, unchanged
+        for stage in (0, 1):
+            applied = out[f"inf step, check False, stage {stage}"]
+            assert applied[0] == 0 and not applied[2]  # applied: nan
         skipped, norm, scale = out["fp16 overflow without norm"]
         assert skipped == 1 and norm is None and scale == 2.0**16  # hysteresis 2: the first overflow keeps it
         assert out["comm dtypes"] == (torch.bfloat16, {torch.bfloat16}, torch.float16)

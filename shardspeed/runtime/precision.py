@@ -219,7 +219,9 @@ def unscaled_in_kernel(optimizer: torch.optim.Optimizer, multiplier: float, grad
     if multiplier == 1.0 or not grads:
         yield
         return
-    if not _kernel_unscales(optimizer):
+    # A multiplier of 0 (clipping an inf norm when overflow checks are off) has no reciprocal: multiply
+    # (inf * 0 = nan reaches the parameters, as in DeepSpeed, instead of a ZeroDivisionError)
+    if not _kernel_unscales(optimizer) or multiplier == 0.0 or not math.isfinite(multiplier):
         torch._foreach_mul_(grads, multiplier)
         yield
         return
