@@ -13,24 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardspeed.config.build import BuildContext, build_block
+from shardspeed.config.build import BuildContext, _schema, build_block
 from shardspeed.config.deprecated import map_deprecated
 from shardspeed.config.zero import ZeroConfig
 
 __all__ = ["DeepSpeedZeroConfig"]
-
-# DeepSpeed's pydantic field name -> the config key (shardspeed's field name)
-_DEEPSPEED_FIELD_NAMES = {
-    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
-    "param_persistence_threshold": "stage3_param_persistence_threshold",
-    "model_persistence_threshold": "stage3_model_persistence_threshold",
-    "max_live_parameters": "stage3_max_live_parameters",
-    "max_reuse_distance": "stage3_max_reuse_distance",
-    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-    "module_granularity_threshold": "stage3_module_granularity_threshold",
-    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
-    "allgather_sequential": "stage3_allgather_sequential",
-}
 
 
 class _BlockAlone(ZeroConfig):
@@ -52,5 +39,8 @@ class DeepSpeedZeroConfig(ZeroConfig):
             setattr(self, f.name, getattr(built, f.name))
 
 
-for _name, _key in _DEEPSPEED_FIELD_NAMES.items():
-    setattr(DeepSpeedZeroConfig, _name, property(lambda self, key=_key: getattr(self, key)))
+# DeepSpeed's field names are the keys' synonyms in the schema (`max_reuse_distance` for
+# `stage3_max_reuse_distance`, ...): each reads its key.
+_SCHEMA = _schema(ZeroConfig)
+for _name in _SCHEMA.synonyms:
+    setattr(DeepSpeedZeroConfig, _name, property(lambda self, key=_SCHEMA.aliases[_name]: getattr(self, key)))

@@ -35,11 +35,11 @@ __all__ = ["ExpertParallelOptimizer", "ReductionDomain"]
 
 @dataclass
 class ReductionDomain:
-    """One stage wrapper and how its gradients relate to the mean over the data-parallel world."""
+    """One stage wrapper (its `gradient_scale`: how its reduced gradients relate to the mean over the
+    data-parallel world) and the group its norm is combined over."""
 
     name: str  # "dense" or an expert group name ("ep_size_2")
     wrapper: OptimizerWrapper
-    grad_scale: float = 1.0  # edp / dp for expert domains
     norm_group: object = None  # the expert-parallel group whose ranks hold the domain's other experts
 
 
@@ -73,7 +73,7 @@ class ExpertParallelOptimizer(OptimizerWrapper):
     def _global_norm(self) -> float:
         total = 0.0
         for d in self.domains:
-            squared = (d.wrapper._global_norm() * d.grad_scale) ** 2
+            squared = (d.wrapper._global_norm() * d.wrapper.gradient_scale) ** 2
             if d.norm_group is not None and dist.get_world_size(d.norm_group) > 1:
                 value = torch.tensor([squared], dtype=torch.float64, device=_device_of(d.wrapper))
                 all_reduce(value, group=d.norm_group)
@@ -95,7 +95,7 @@ class ExpertParallelOptimizer(OptimizerWrapper):
             if hidden:
                 for p, g in d.saved_grads.items():
                     p.grad = g
-            d.wrapper._apply(multiplier * d.grad_scale)
+            d.wrapper._apply(multiplier * d.wrapper.gradient_scale)
             if hidden:
                 for p in d.wrapper.names:
                     p.grad = None

@@ -84,7 +84,7 @@ class ExpertParallelism:
             owned = {id(p) for _, p in everything if is_moe_param(p) and p.group_name == name}
             wrapper = wrap_params(optimizer, mine, group.edp_group, owned)
             wrapper.gradient_scale = group.edp_size / group.dp_world_size
-            domains.append(ReductionDomain(name, wrapper, wrapper.gradient_scale, group.ep_group))
+            domains.append(ReductionDomain(name, wrapper, group.ep_group))
         return ExpertParallelOptimizer(optimizer, domains, scaler=scaler, clip=clip)
 
     def expert_rank(self, name: str) -> int:

@@ -51,6 +51,8 @@ class DataParallelOptimizer(OptimizerWrapper):
             self._create_masters()
         for _, p in named_params:
             p._shardspeed_zero = (self, None)  # found by the zero.safe_get_* accessors
+        # param -> (bucket, slot); the view itself is read at call time (offload_states may move a buffer)
+        self._gradient_slots = {p: (b, i) for b in reducer.buckets for i, p in enumerate(b.params)}
 
     # -- set-up --------------------------------------------------------------------------------------------
 
@@ -116,11 +118,8 @@ class DataParallelOptimizer(OptimizerWrapper):
     def gradient_of(self, param: nn.Parameter) -> torch.Tensor | None:
         """`param`'s gradient as the step will use it: its slice of the bucket buffer (where a 16-bit
         parameter's fp32 gradient accumulates, `param.grad` staying None), else `param.grad`."""
-        for bucket in self.reducer.buckets:
-            for p, view in zip(bucket.params, bucket.views):
-                if p is param:
-                    return view
-        return param.grad
+        slot = self._gradient_slots.get(param)
+        return slot[0].views[slot[1]] if slot is not None else param.grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none  # gradients live in persistent buckets; zeroing them is the equivalent

@@ -70,6 +70,11 @@ def _gradient_shard(wrapper, index: int, call: str) -> torch.Tensor:
     return wrapper.gradient_shard(index)
 
 
+def _set_whole_gradient(wrapper, param: nn.Parameter, value: torch.Tensor) -> None:
+    """Stage 0: the local part is the whole parameter, its gradient the bucket slice the step reads."""
+    wrapper.gradient_of(param).copy_(value.reshape(param.shape))
+
+
 def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's part of `param`'s reduced gradient (in the gradient-accumulation dtype), as the step will
     use it."""
@@ -85,8 +90,7 @@ def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     wrapper, index = _owner(param, "safe_set_local_grad")
     value = value / wrapper.gradient_scale
     if index is None:
-        wrapper.gradient_of(param).copy_(value.reshape(param.shape))
-        return
+        return _set_whole_gradient(wrapper, param, value)
     shard = _gradient_shard(wrapper, index, "safe_set_local_grad")
     _write(shard, _fragment(wrapper, index, param), value, "safe_set_local_grad")
 
@@ -96,8 +100,7 @@ def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     wrapper, index = _owner(param, "safe_set_full_grad")
     value = value / wrapper.gradient_scale
     if index is None:
-        wrapper.gradient_of(param).copy_(value.reshape(param.shape))
-        return
+        return _set_whole_gradient(wrapper, param, value)
     fragment = _fragment(wrapper, index, param)
     piece = value.reshape(-1)[fragment[0] : fragment[0] + fragment[2]] if fragment else value.new_empty(0)
     _write(_gradient_shard(wrapper, index, "safe_set_full_grad"), fragment, piece, "safe_set_full_grad")
