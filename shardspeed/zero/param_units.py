@@ -154,8 +154,7 @@ class ParamUnit(FlatParamBucket):
             self.flat = self._full = _moved(self.flat, device, pin_memory, non_blocking)
             self.bind()
         elif self._full.device != torch.device(device):  # released: a storage of zero bytes, re-made there
-            self._full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
-            self._full.untyped_storage().resize_(0)
+            self._full = _released_buffer(self.padded_numel, self.dtype, device)
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self.device = torch.device(device)
         if self.flat is None:
@@ -235,10 +234,6 @@ class ParamUnit(FlatParamBucket):
         storage in place [Note: one storage]. Only while no backward needs the unit's saved views."""
         if self.persistent:
             return
-        if keep_taken_views and not self.awaiting_grads:
-            self.wait()
-            self._full = torch.empty_like(self._full)
-            self._full.untyped_storage().resize_(0)
         self.wait()
         if self.weights is not None:
             self.weights.keep_secondary(self)  # hpZ: before the buffer goes
@@ -246,7 +241,10 @@ class ParamUnit(FlatParamBucket):
         for p in self.params:
             p.data = self._empty
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
-        self._full.untyped_storage().resize_(0)  # also what autograd saved of it [Note: one storage]
+        if keep_taken_views and not self.awaiting_grads:
+            self._full = _released_buffer(self.padded_numel, self.dtype, self._full.device)
+        else:
+            self._full.untyped_storage().resize_(0)  # also what autograd saved of it [Note: one storage]
         self.flat = None
         if self._counted:
             self.live.numel -= self.padded_numel
@@ -296,3 +294,11 @@ def plan_units(root: nn.Module, unit_numel: int) -> list[tuple[nn.Module, list[n
 
     visit(root)
     return units
+
+
+def _released_buffer(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A unit's full buffer in its released state: `numel` elements over a storage of zero bytes (nothing
+    allocated), which a gather resizes and fills."""
+    return torch.empty(0, dtype=dtype, device=device).set_(
+        torch.UntypedStorage(0, device=device), 0, (numel,)
+    )
