@@ -51,8 +51,6 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "gradient_allreduce_op",
         "communication_data_type",
         "seq_parallel_communication_data_type",
-        # DeepSpeed parses it and reads it nowhere; so does shardspeed.
-        "disable_allgather",
         # ZeRO: every stage, and the keys the engine honours. Some are honoured by construction:
         # gradients always live in contiguous buckets (contiguous_gradients), every rank owns a slice of
         # every bucket (round_robin_gradients' balance), one collective per bucket
@@ -165,6 +163,7 @@ REMOVED_IN_DEEPSPEED: dict[str, str] = {
 
 # Why a key is refused, where a few words help more than "not supported" (longest matching prefix wins).
 _REASONS: dict[str, str] = {
+    "disable_allgather": "DeepSpeed parses it and never uses it; set to true it would do nothing here either",
     "managed_gradient_accumulation": "the script owning the accumulation boundary is not implemented; keep "
     "the default (true) and set gradient_accumulation_steps",
     "hybrid_engine": "the hybrid training/generation engine (RLHF) is not implemented",

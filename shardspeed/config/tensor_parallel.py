@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from .blocks import NonNegInt
-from .build import Key
+from .build import Key, show
 from .errors import ConfigError
 
 __all__ = ["PartitionConfig", "TensorParallelConfig"]
+
+
+# DeepSpeed's inner `tensor_parallel.tp` block besides tp_size (its TPConfig), with its defaults
+_INNER_TP_DEFAULTS = {"tp_grain_size": 1, "tp_overlap_comm": False, "mpu": None, "tp_group": None}
 
 
 @dataclass(kw_only=True)
@@ -72,6 +76,18 @@ class TensorParallelConfig:
             raise ConfigError(
                 f"{path}.tp.tp_size: {inner} does not match {path}.autotp_size {self.autotp_size}"
             )
+        for key, value in (self.tp or {}).items():  # the rest of DeepSpeed's inner block: defaults only
+            if key == "tp_size":
+                continue
+            if key not in _INNER_TP_DEFAULTS:
+                raise ConfigError(
+                    f"unknown key '{path}.tp.{key}'; valid keys: tp_size, {', '.join(_INNER_TP_DEFAULTS)}"
+                )
+            if value != _INNER_TP_DEFAULTS[key]:
+                raise ConfigError(
+                    f"{path}.tp.{key}: {show(value)} is not supported by shardspeed's AutoTP training; remove "
+                    f"the key or set its default {show(_INNER_TP_DEFAULTS[key])}"
+                )
         if self.replace_with_kernel_inject:
             raise ConfigError(
                 f"{path}.replace_with_kernel_inject: kernel injection is not available for training"
