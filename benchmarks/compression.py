@@ -180,7 +180,7 @@ def wide_models(work: Path) -> list[str]:
             groups[key] = {"params": {"start_bits": 8, "target_bits": 8, "quantize_groups": rows},
                            "modules": [rf"\.{key}$"]}  # fmt: skip
         compression = {"compression_training": {"weight_quantization": {
-            "shared_parameters": {"enabled": True}, "different_groups": groups}}}  # fmt: skip
+            "shared_parameters": {"enabled": True, "quantize_weight_in_forward": True}, "different_groups": groups}}}  # fmt: skip
         init_compression(model, compression)
         compression_scheduler(model, compression).step(step_zero_check=True)
         redundancy_clean(model, compression)

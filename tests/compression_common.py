@@ -113,11 +113,16 @@ def technique(shared: dict, **groups) -> dict:
     return {"shared_parameters": {"enabled": True, **shared}, "different_groups": groups}
 
 
+def weight_technique(shared: dict, **groups) -> dict:
+    """Weight quantization, in forward (the path shardspeed builds; false is refused)."""
+    return technique({"quantize_weight_in_forward": True, **shared}, **groups)
+
+
 def every_technique(offset: int = 0, sparse: str = "topk", row: str = "l1", head: str = "topk",
                     wq: dict | None = None, aq: str = "dynamic") -> dict:  # fmt: skip
     """Weight and activation quantization, sparse, row and head pruning on `Bert`, all from step `offset`."""
     return {
-        "weight_quantization": technique(
+        "weight_quantization": weight_technique(
             {
                 "schedule_offset": offset,
                 "quantize_groups": 4,

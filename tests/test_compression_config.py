@@ -1,7 +1,7 @@
 """`compression_training` config checks and init_compression errors: each names the key or module at fault."""
 
 import pytest
-from compression_common import Bert, group, technique
+from compression_common import Bert, group, technique, weight_technique
 
 from shardspeed.compression.compress import init_compression
 from shardspeed.compression.config import get_compression_config
@@ -32,6 +32,9 @@ BAD = [  # (compression_training, the message must contain)
      "different_groups.g.params.start_bits: required key missing"),
     ({"weight_quantization": {"different_groups": {"g": {"modules": ["q"]}}}},
      "different_groups.g.params: required key missing"),
+    ({"weight_quantization": {"shared_parameters": {"enabled": True},
+                              "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}}}}},
+     "weight_quantization.shared_parameters.quantize_weight_in_forward: false quantizes through DeepSpeed's MoQ"),
     ({"weight_quantization": {"shared_parameters": {"quantize_groups": 0}}},
      "weight_quantization.shared_parameters.quantize_groups: must be > 0, got 0"),
     ({"activation_quantization": {"different_groups": {"a": {"params": {"bits": 6}}}}},
@@ -90,7 +93,11 @@ def test_init_compression_errors_name_the_module_or_key():
     assert (
         "different_groups.g.modules[0]: 'nothing' matches no Linear/Conv2d/Embedding module"
         in _init_error(
-            {"weight_quantization": technique({}, g=group({"start_bits": 8, "target_bits": 8}, ["nothing"]))}
+            {
+                "weight_quantization": weight_technique(
+                    {}, g=group({"start_bits": 8, "target_bits": 8}, ["nothing"])
+                )
+            }
         )
     )
     assert "module layer.0.attention.self.query is matched by group 'b'" in _init_error(
@@ -106,7 +113,7 @@ def test_init_compression_errors_name_the_module_or_key():
         "quantize_groups: 3 does not divide the 1024 weights of layer.0.attention.self.query"
         in _init_error(
             {
-                "weight_quantization": technique(
+                "weight_quantization": weight_technique(
                     {"quantize_groups": 3}, g=group({"start_bits": 8, "target_bits": 8}, ["query"])
                 )
             }
@@ -115,7 +122,11 @@ def test_init_compression_errors_name_the_module_or_key():
     tied = Bert()
     tied.classifier.weight = tied.embeddings.weight
     assert "classifier.weight is tied to embeddings.weight" in _init_error(
-        {"weight_quantization": technique({}, g=group({"start_bits": 8, "target_bits": 8}, ["classifier"]))},
+        {
+            "weight_quantization": weight_technique(
+                {}, g=group({"start_bits": 8, "target_bits": 8}, ["classifier"])
+            )
+        },
         tied,
     )
     assert (

@@ -5,7 +5,16 @@ import math
 
 import pytest
 import torch
-from compression_common import Bert, ConvNet, batches, clone, every_technique, group, technique
+from compression_common import (
+    Bert,
+    ConvNet,
+    batches,
+    clone,
+    every_technique,
+    group,
+    technique,
+    weight_technique,
+)
 from torch import nn
 from torch.nn import functional as F
 
@@ -100,7 +109,7 @@ def test_deepspeed_autograd_quantizers_pass_gradients_straight_through():
 
 def test_weight_bits_follow_the_schedule():
     model = Bert()
-    config = _cfg({"weight_quantization": technique(
+    config = _cfg({"weight_quantization": weight_technique(
         {"schedule_offset": 2, "quantize_verbose": True},
         wq=group({"start_bits": 8, "target_bits": 5, "quantization_period": 2}, ["query"]),
     )})  # fmt: skip
@@ -119,7 +128,7 @@ def test_weight_bits_follow_the_schedule():
 
 def test_fp16_mixed_quantize_blends_towards_the_quantized_weight():
     model = Bert()
-    config = _cfg({"weight_quantization": technique(
+    config = _cfg({"weight_quantization": weight_technique(
         {"fp16_mixed_quantize": {"enabled": True, "quantize_change_ratio": 0.25}},
         wq=group({"start_bits": 4, "target_bits": 4}, ["query"]),
     )})  # fmt: skip
@@ -206,7 +215,7 @@ def test_channel_pruning_and_clean_of_a_conv_net():
     config = _cfg({
         "channel_pruning": technique({"schedule_offset": 0, "method": "l1"},
                                      cp=group({"dense_ratio": 0.5}, ["conv1"], [["conv2", "bn1"]])),
-        "weight_quantization": technique({"quantize_groups": 8}, wq=group({"start_bits": 8, "target_bits": 8}, ["conv"])),
+        "weight_quantization": weight_technique({"quantize_groups": 8}, wq=group({"start_bits": 8, "target_bits": 8}, ["conv"])),
     })  # fmt: skip
     init_compression(model, config)
     assert isinstance(model.conv1, Conv2dLayer_Compress)
@@ -259,7 +268,7 @@ def test_packed_layers_hold_codes_and_compute_exactly_what_the_quantized_layer_d
 ):
     torch.manual_seed(0)
     model = Bert(layers=1)
-    config = _cfg({"weight_quantization": technique(
+    config = _cfg({"weight_quantization": weight_technique(
         {"quantize_groups": groups, "quantization_type": qtype},
         wq=group({"start_bits": bits, "target_bits": bits}, ["dense", "query"]),
     )})  # fmt: skip
@@ -297,7 +306,7 @@ def test_packed_layers_hold_codes_and_compute_exactly_what_the_quantized_layer_d
 def test_embedding_quantization_is_token_wise_and_packs():
     torch.manual_seed(0)
     model = Bert(layers=1)
-    config = _cfg({"weight_quantization": technique(
+    config = _cfg({"weight_quantization": weight_technique(
         {"quantize_groups": 3}, wq=group({"start_bits": 4, "target_bits": 4}, ["embeddings"])
     )})  # fmt: skip
     init_compression(model, config)
@@ -335,7 +344,7 @@ def test_packed_weight_roundtrip_and_matmul(bits, symmetric, groups):
 def test_packed_linears_fuse_into_one_call():
     torch.manual_seed(0)
     model = Bert(layers=1)
-    config = _cfg({"weight_quantization": technique(
+    config = _cfg({"weight_quantization": weight_technique(
         {"quantize_groups": 64}, wq=group({"start_bits": 4, "target_bits": 4}, ["attention.self"])
     )})  # fmt: skip
     init_compression(model, config)

@@ -84,7 +84,8 @@ class WeightQuantizationShared:
     rounding: Literal["nearest", "stochastic"] = "nearest"
     """Rounding during training; redundancy_clean always rounds to nearest. Default "nearest"."""
     quantize_weight_in_forward: bool = False
-    """true: quantize in forward (0.18.9's QAT path); false: MoQ. Both quantize in forward here. Default false."""
+    """true: quantize in forward (0.18.9's quantization-aware path); false: through DeepSpeed's MoQ fp16
+    optimizer, not built here, so false is refused while weight quantization is enabled. Default false."""
     fp16_mixed_quantize: Fp16MixedQuantizeConfig = field(default_factory=Fp16MixedQuantizeConfig)
     """Blend of full-precision and quantized weights while bits change."""
 
@@ -218,6 +219,12 @@ class WeightQuantizationConfig:
                     f"{where}: {group.params.target_bits}-bit weights take no rounding mode; set "
                     f'shared_parameters.rounding to "nearest"'
                 )
+        if shared.enabled and not shared.quantize_weight_in_forward:
+            raise ConfigError(
+                f"{join(path, 'shared_parameters.quantize_weight_in_forward')}: false quantizes through DeepSpeed's "
+                "MoQ fp16 optimizer, which DeepSpeed 0.19 removed and shardspeed does not build; set it true "
+                "(weights quantized in forward: 0.18.9's quantization-aware path)"
+            )
 
 
 @dataclass(kw_only=True)

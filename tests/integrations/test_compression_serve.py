@@ -36,7 +36,7 @@ def _config(bits: int, runs_per_row: int, qtype: str) -> dict:
     groups = {key: {"params": {"start_bits": bits, "target_bits": bits, "quantize_groups": rows * runs_per_row},
                     "modules": [rf"\.{key}$"]} for key, rows in SHAPES.items()}  # fmt: skip
     return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "quantization_type": qtype}, "different_groups": groups}}}  # fmt: skip
+        "shared_parameters": {"enabled": True, "quantization_type": qtype, "quantize_weight_in_forward": True}, "different_groups": groups}}}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=[(8, 1, "symmetric"), (4, 2, "asymmetric"), (2, 1, "symmetric")],
