@@ -27,7 +27,6 @@ BY_CONSTRUCTION = [
     ("zero_optimization.elastic_checkpoint", True, {"zero_optimization": {"stage": 2}}),
     ("zero_optimization.memory_efficient_linear", False, {"zero_optimization": {"stage": 3}}),
     ("zero_optimization.stage3_module_granularity_threshold", 1000, {"zero_optimization": {"stage": 3}}),
-    ("disable_allgather", True, {}),
     ("bf16.immediate_grad_update", True, {"bf16": {"enabled": True}}),
     (
         "zero_force_ds_cpu_optimizer",
