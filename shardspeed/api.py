@@ -12,12 +12,12 @@ from shardspeed.comm.discovery import discover
 from shardspeed.comm.init import init_distributed
 from shardspeed.config import ConfigError, load_config
 from shardspeed.config.loader import read_config_source
-from shardspeed.pipe.engine import PipelineEngine
+from shardspeed.core.layout import build_parallel_grid, data_parallel_world
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
-from shardspeed.runtime.layout import build_parallel_grid, data_parallel_world, merge_tp_model_init
-from shardspeed.runtime.tensor_parallel import prepare_tensor_parallel
+from shardspeed.runtime.pipeline_engine import PipelineEngine
+from shardspeed.runtime.tensor_parallel import merge_tp_model_init, prepare_tensor_parallel
 
 # DeepSpeed's type names for the `optimizer=` / `lr_scheduler=` callables `initialize` accepts
 DeepSpeedOptimizerCallable = Callable[[Iterable[nn.Parameter] | dict[str, Iterable]], torch.optim.Optimizer]

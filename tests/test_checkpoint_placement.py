@@ -64,7 +64,7 @@ def _loads_as_float64():
 def _cases(root: str, world: int) -> dict:
     import torch.distributed as dist
 
-    from shardspeed.runtime.placement import placement_problems
+    from shardspeed.core.placement import placement_problems
 
     out = {}
     for name, config in VARIANTS.items():
@@ -105,7 +105,7 @@ def test_loaded_state_lives_where_the_live_state_lives(tmp_path):
 
 
 def _nvme_case(root: str) -> list[str]:
-    from shardspeed.runtime.placement import placement_problems
+    from shardspeed.core.placement import placement_problems
 
     config = base_config(
         **_zero(2, offload_optimizer={"device": "nvme", "nvme_path": f"{root}/swap"}), **BF16

@@ -219,7 +219,12 @@ def test_cpu_device_count_is_the_local_world_size(monkeypatch):
 
 
 def test_partition_helpers_give_deepspeeds_bounds():
-    from shardspeed.runtime.utils import partition_balanced, partition_uniform, prefix_sum_inc, prime_factors
+    from shardspeed.runtime.utils import (
+        partition_balanced,
+        partition_uniform,
+        prefix_sum_inc,
+        prime_factors,
+    )
 
     assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
     assert partition_uniform(2, 4) == [0, 1, 2, 2, 2]  # fewer items than parts: the rest empty

@@ -56,7 +56,7 @@ def _with(cfg: dict, path: str, value) -> dict:
 
 def _sent_gradients(overrides: dict) -> torch.Tensor:
     """The first gradient all-reduce's tensor of one boundary micro-step (stage 0, one bucket)."""
-    import shardspeed.runtime.grad_buckets as grad_buckets
+    import shardspeed.core.grad_buckets as grad_buckets
 
     sent = []
     real = grad_buckets.all_reduce

@@ -46,7 +46,7 @@ def _engine(config: dict):
 
 
 def _resume_cases(root: str) -> dict:
-    from shardspeed.runtime.placement import placement_problems
+    from shardspeed.core.placement import placement_problems
 
     out = {}
     for stage, precision, offload in CASES:
@@ -92,7 +92,7 @@ def test_resume_on_cuda_is_exact_and_in_place(tmp_path):
 def _offload_cases(root: str) -> dict:
     """offload_states moves the engine's state off the GPU (allocated memory falls by its bytes) and
     reload_states brings it back; the next steps equal those of an engine that never offloaded."""
-    from shardspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+    from shardspeed.zero.offload_kinds import OffloadStateTypeEnum
 
     out = {}
     for stage in (0, 1, 2, 3):

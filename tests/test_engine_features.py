@@ -276,7 +276,7 @@ def _zero3_knobs(out: dict, stage3: dict, rank: int) -> None:
 
 def _offload_cases(out: dict) -> None:
     """offload_states / reload_states at every stage, in fp32 and bf16, and what they refuse."""
-    from shardspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    from shardspeed.zero.offload_kinds import OffloadDeviceEnum, OffloadStateTypeEnum
 
     # offload_states / reload_states at every stage: errors while offloaded, bit-exact training after
     for stage in (0, 1, 2, 3):

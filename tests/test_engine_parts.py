@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from shardspeed.config.blocks import DataTypesConfig
+from shardspeed.core.autocast import TorchAutocast
+from shardspeed.core.module_dtypes import cast_module
 from shardspeed.runtime import timers
-from shardspeed.runtime.autocast import TorchAutocast
 from shardspeed.runtime.engine_extras import EngineExtras
-from shardspeed.runtime.module_dtypes import cast_module
 from shardspeed.runtime.python_gc import PythonGC
 
 # -- engine.<attribute of the model> -------------------------------------------------------------------------

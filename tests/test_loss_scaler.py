@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardspeed.runtime.precision import LossScaler
+from shardspeed.core.precision import LossScaler
 
 
 def test_hysteresis_delays_the_first_decrease():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardspeed.runtime.memory import estimate
+from shardspeed.core.memory import estimate
 
 from harness import run_ranks
 

@@ -37,7 +37,7 @@ def _construct(stage: int) -> dict:
     out["local_numel"] = sum(p.numel() for p in model.parameters())  # everything partitioned
     out["chunks"] = sum(p._zero_init_shard.numel() for p in model.parameters())
     out["apply_values"] = {
-        n: shardspeed.zero.init.full_value(p).clone() for n, p in by_apply.named_parameters()
+        n: shardspeed.core.partitioned.full_value(p).clone() for n, p in by_apply.named_parameters()
     }
     config = base_config(zero_optimization={"stage": stage, "reduce_bucket_size": 3000,
                                             "stage3_param_persistence_threshold": 0})  # fmt: skip

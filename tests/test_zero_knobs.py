@@ -46,7 +46,7 @@ CASES = {
 
 def _instrument():
     """Count the collectives ZeRO issues, and the all-gather elements in flight at once (stage 1/2)."""
-    import shardspeed.runtime.grad_buckets as grad_buckets
+    import shardspeed.core.grad_buckets as grad_buckets
     import shardspeed.zero.optimizer as zero_optimizer
     import shardspeed.zero.param_units as param_units
     import shardspeed.zero.sharded_grads as sharded_grads

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardspeed.comm.nodes import NodeLayout
-from shardspeed.runtime.memory import estimate
+from shardspeed.core.memory import estimate
 from shardspeed.zero.zeropp.quantize import BlockLayout, dequantize, quantize
 
 from common import base_config, build_model, full_params, train_engine

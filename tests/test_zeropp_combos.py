@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardspeed.runtime.memory import estimate
+from shardspeed.core.memory import estimate
 from shardspeed.zero.zeropp.quantize import BlockLayout, dequantize, quantize
 
 from common import base_config, build_model, train_engine

@@ -403,7 +403,7 @@ def load_group_hyperparameters(reader: CheckpointReader, param_groups: list[dict
 
 def restore_loss_scaler(reader: CheckpointReader, scaler) -> None:
     """Carry the fp16 loss scale over only from an fp16 run into an fp16 run (bf16/fp32 have no scale)."""
-    from shardspeed.runtime.precision import NoScaler
+    from shardspeed.core.precision import NoScaler
 
     saved = reader.loss_scaler()
     if saved is not None and not isinstance(scaler, NoScaler):

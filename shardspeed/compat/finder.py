@@ -78,6 +78,11 @@ def resolve(path: str):
     return getattr(importlib.import_module(module_name), attribute)
 
 
+def _listed(path: str):
+    """What the table places at `path`, or None where it lists nothing there."""
+    return resolve(path) if path in PATHS else None
+
+
 def _deepspeed_paths(fullname: str) -> list[str]:
     """The DeepSpeed paths a shardspeed module answers for: its own, and those of table aliases of it or of
     a package above it (`shardspeed.pipe.schedule` is also `runtime.pipe.schedule`)."""
@@ -100,6 +105,8 @@ def attribute_of(module: types.ModuleType, name: str):
             value = resolve(key)
         elif path in _EXTENSIONS and not name.startswith("_"):
             value = getattr(importlib.import_module(_EXTENSIONS[path]), name, _MISSING)
+        elif key in _PREFIXES:  # a module only the table knows (`ops.op_builder.builder`)
+            value = importlib.import_module(_absolute(key))
         if value is not _MISSING:
             setattr(module, name, value)  # later look-ups skip this function
             return value
@@ -192,6 +199,17 @@ class _TableAttributesLoader(importlib.abc.Loader):
         return getattr(self.inner, name)  # get_code, get_source, get_resource_reader, ...
 
 
+def _import_existing(name: str):
+    """The module `name`, or None where no such module exists (a table path below an aliased module that
+    only the table knows, such as `ops.op_builder.builder`)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise  # a real import error inside that module: show it
+        return None
+
+
 class CompatFinder(importlib.abc.MetaPathFinder):
     """Finds `shardspeed.<DeepSpeed path>` modules as the table says (see the module docstring)."""
 
@@ -202,11 +220,13 @@ class CompatFinder(importlib.abc.MetaPathFinder):
         entry, rest = _ancestor_entry(relative)
         if isinstance(entry, NotOffered) and entry.module:
             return self._spec(
-                fullname, _NewModuleLoader(lambda n: not_offered_module(n, relative, entry.reason))
+                fullname, _NewModuleLoader(lambda n: not_offered_module(n, relative, entry.reason, _listed))
             )
-        if isinstance(entry, str) and ":" not in entry and entry + (f".{rest}" if rest else "") != fullname:
-            module = importlib.import_module(entry + (f".{rest}" if rest else ""))
-            return self._spec(fullname, _ExistingModuleLoader(module), hasattr(module, "__path__"))
+        target = entry + (f".{rest}" if rest else "") if isinstance(entry, str) and ":" not in entry else None
+        if target is not None and target != fullname:
+            module = _import_existing(target)
+            if module is not None:
+                return self._spec(fullname, _ExistingModuleLoader(module), hasattr(module, "__path__"))
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
             spec.loader = _TableAttributesLoader(spec.loader)

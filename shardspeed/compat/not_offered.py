@@ -68,24 +68,25 @@ class NotOfferedModule(types.ModuleType):
     """A DeepSpeed module shardspeed does not offer: it imports, and each public name in it is a stand-in
     (or, where the table lists the name itself, what the table says)."""
 
-    def __init__(self, name: str, deepspeed_path: str, reason: str) -> None:
+    def __init__(self, name: str, deepspeed_path: str, reason: str, listed) -> None:
         super().__init__(name, _message(deepspeed_path, reason))
         self._deepspeed_path = deepspeed_path
         self._reason = reason
+        self._listed = listed  # the finder's look-up of a path in the table (it owns the table)
         self.__path__ = []  # submodules are stand-ins too (the finder answers them)
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)  # tools probe dunders (`__file__`, `__wrapped__`): plain absence
-        from shardspeed.compat.finder import resolve  # here: the table itself imports this module
-        from shardspeed.compat.paths import PATHS
-
         path = f"{self._deepspeed_path}.{name}"
         # a name the table places somewhere (utils.timer.trim_mean) is that object, the rest stand-ins
-        value = resolve(path) if path in PATHS else not_offered_class(path, self._reason)
+        value = self._listed(path)
+        if value is None:
+            value = not_offered_class(path, self._reason)
         setattr(self, name, value)
         return value
 
 
-def not_offered_module(name: str, deepspeed_path: str, reason: str) -> NotOfferedModule:
-    return NotOfferedModule(name, deepspeed_path, reason)
+def not_offered_module(name: str, deepspeed_path: str, reason: str, listed) -> NotOfferedModule:
+    """The stand-in module; `listed(path)` is what the table places at `path` under it, or None."""
+    return NotOfferedModule(name, deepspeed_path, reason, listed)

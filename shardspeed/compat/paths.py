@@ -6,7 +6,7 @@ Keys are DeepSpeed paths relative to `deepspeed` (`"runtime.zero.stage3.DeepSpee
 
 - `"shardspeed.pipe"`: that module itself, under the DeepSpeed name too (its submodules follow it);
 - `"shardspeed.zero.api:safe_get_full_grad"`: that attribute;
-- `"*"` keys: `"runtime.lr_schedules.*": "shardspeed.compat.lr_schedule_keys"` adds that module's public names
+- `"*"` keys: `"runtime.lr_schedules.*": "shardspeed.compat.mirrors.lr_schedule_keys"` adds that module's public names
   to the module at the path (names the real module lacks);
 - `NotOffered(reason)`: a name shardspeed does not offer; it imports, and using it raises `NotOfferedError`
   saying why (`module=True`: a whole module and everything under it).
@@ -29,6 +29,10 @@ _INTERNAL = (
     "a DeepSpeed-internal helper with no counterpart in shardspeed's design; the public accessors "
     "(deepspeed.utils.safe_get_*/safe_set_*) and engine methods cover what users do with it"
 )
+_ULYSSES_HF = (
+    "the Hugging Face Ulysses adapters (Accelerate's sp_size > 1) are not built yet; train with sp_size 1, or "
+    "wrap the model's attention in shardspeed.sequence.DistributedAttention and set sequence_parallel_size"
+)
 _NOT_BUILT = "this feature is not built in shardspeed yet (docs/compatibility.md lists what is)"
 
 PATHS: dict[str, object] = {
@@ -43,28 +47,29 @@ PATHS: dict[str, object] = {
     "constants.TORCH_DISTRIBUTED_DEFAULT_PORT": "shardspeed.comm.init:TORCH_DISTRIBUTED_DEFAULT_PORT",
     "DeepSpeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
     "ShardspeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
-    "DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "DeepSpeedConfig": "shardspeed.compat.mirrors.runtime_config:DeepSpeedConfig",
     "load_ds_config": "shardspeed.config.loader:read_config_source",
     "DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
     "ConfigError": "shardspeed.config.errors:ConfigError",
     "CheckpointError": "shardspeed.checkpoint.files:CheckpointError",
     "DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
     "RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
-    "DeepSpeedOptimizer": "shardspeed.runtime.optimizer_wrapper:OptimizerWrapper",
+    "DeepSpeedOptimizer": "shardspeed.core.optimizer_wrapper:OptimizerWrapper",
     "PipelineModule": "shardspeed.pipe.module:PipelineModule",
-    "PipelineEngine": "shardspeed.pipe.engine:PipelineEngine",
+    "PipelineEngine": "shardspeed.runtime.pipeline_engine:PipelineEngine",
     "init_inference": "shardspeed.inference:init_inference",
     "default_inference_config": "shardspeed.inference:default_inference_config",
-    "DeepSpeedInferenceConfig": "shardspeed.inference:DeepSpeedInferenceConfig",
+    "DeepSpeedInferenceConfig": "shardspeed.config.inference:InferenceConfig",
     "InferenceEngine": "shardspeed.inference.engine:InferenceEngine",
-    "tp_model_init": "shardspeed.runtime.layout:tp_model_init",
+    "tp_model_init": "shardspeed.runtime.tensor_parallel:tp_model_init",
     "OnDevice": "shardspeed.utils.init_on_device:OnDevice",
     "get_accelerator": "shardspeed.accelerator:get_accelerator",
     "logger": "shardspeed.utils.logging:logger",
     "log_dist": "shardspeed.utils.logging:log_dist",
-    "git_hash": "shardspeed.git_version_info:git_hash",
-    "git_branch": "shardspeed.git_version_info:git_branch",
-    "git_version_info_installed": "shardspeed.git_version_info",
+    "git_hash": "shardspeed.compat.mirrors.git_version_info:git_hash",
+    "git_branch": "shardspeed.compat.mirrors.git_version_info:git_branch",
+    "git_version_info": "shardspeed.compat.mirrors.git_version_info",
+    "git_version_info_installed": "shardspeed.compat.mirrors.git_version_info",
     "DeepSpeedHybridEngine": NotOffered(
         "the hybrid engine (RLHF generate + train in one engine) is not built"
     ),
@@ -93,9 +98,9 @@ PATHS: dict[str, object] = {
     "accelerator.abstract_accelerator.DeepSpeedAccelerator": "shardspeed.accelerator.facade:DeviceAccelerator",
     "accelerator.real_accelerator": "shardspeed.accelerator",
     # -- deepspeed.ops ----------------------------------------------------------------------------------------
-    "ops.__compatible_ops__": "shardspeed.ops.op_builder:COMPATIBLE_OPS",
-    "ops.op_builder.builder.OpBuilder": "shardspeed.ops.op_builder:OpBuilder",
-    "ops.op_builder.all_ops.ALL_OPS": "shardspeed.ops.op_builder:ALL_OPS",
+    "ops.__compatible_ops__": "shardspeed.compat.mirrors.op_builder:COMPATIBLE_OPS",
+    "ops.op_builder.builder.OpBuilder": "shardspeed.compat.mirrors.op_builder:OpBuilder",
+    "ops.op_builder.all_ops.ALL_OPS": "shardspeed.compat.mirrors.op_builder:ALL_OPS",
     "env_report": "shardspeed.launcher.report",
     "env_report.cli_main": "shardspeed.launcher.report:main",
     "ops.transformer": NotOffered(_KERNELS, True),
@@ -131,16 +136,16 @@ PATHS: dict[str, object] = {
     "utils.get_full_hp_grad": "shardspeed.zero.api:safe_get_full_grad",
     "utils.set_full_hp_param": "shardspeed.zero.api:safe_set_full_fp32_param",
     "utils.set_full_hp_grad": "shardspeed.zero.local_access:safe_set_full_grad",
-    "utils.get_data_parallel_group": "shardspeed.utils.groups:get_data_parallel_group",
-    "utils.get_data_parallel_rank": "shardspeed.utils.groups:get_data_parallel_rank",
-    "utils.get_data_parallel_world_size": "shardspeed.utils.groups:get_data_parallel_world_size",
-    "utils.get_model_parallel_group": "shardspeed.utils.groups:get_model_parallel_group",
-    "utils.get_model_parallel_rank": "shardspeed.utils.groups:get_model_parallel_rank",
-    "utils.get_model_parallel_world_size": "shardspeed.utils.groups:get_model_parallel_world_size",
-    "utils.get_tensor_model_parallel_group": "shardspeed.utils.groups:get_tensor_model_parallel_group",
-    "utils.get_tensor_model_parallel_rank": "shardspeed.utils.groups:get_tensor_model_parallel_rank",
-    "utils.get_tensor_model_parallel_src_rank": "shardspeed.utils.groups:get_tensor_model_parallel_src_rank",
-    "utils.get_tensor_model_parallel_world_size": "shardspeed.utils.groups:get_tensor_model_parallel_world_size",
+    "utils.get_data_parallel_group": "shardspeed.compat.mirrors.utils_groups:get_data_parallel_group",
+    "utils.get_data_parallel_rank": "shardspeed.compat.mirrors.utils_groups:get_data_parallel_rank",
+    "utils.get_data_parallel_world_size": "shardspeed.compat.mirrors.utils_groups:get_data_parallel_world_size",
+    "utils.get_model_parallel_group": "shardspeed.compat.mirrors.utils_groups:get_model_parallel_group",
+    "utils.get_model_parallel_rank": "shardspeed.compat.mirrors.utils_groups:get_model_parallel_rank",
+    "utils.get_model_parallel_world_size": "shardspeed.compat.mirrors.utils_groups:get_model_parallel_world_size",
+    "utils.get_tensor_model_parallel_group": "shardspeed.compat.mirrors.utils_groups:get_tensor_model_parallel_group",
+    "utils.get_tensor_model_parallel_rank": "shardspeed.compat.mirrors.utils_groups:get_tensor_model_parallel_rank",
+    "utils.get_tensor_model_parallel_src_rank": "shardspeed.compat.mirrors.utils_groups:get_tensor_model_parallel_src_rank",
+    "utils.get_tensor_model_parallel_world_size": "shardspeed.compat.mirrors.utils_groups:get_tensor_model_parallel_world_size",
     "utils.zero_to_fp32": "shardspeed.checkpoint.consolidate",
     "utils.comms_logging.CommsLogger": "shardspeed.comm.logger:CommsLogger",
     "utils.pin_memory": NotOffered(
@@ -158,6 +163,26 @@ PATHS: dict[str, object] = {
     "utils.map_to_flat_opt_states": NotOffered(_INTERNAL),
     "utils.tensor_fragment": NotOffered(_INTERNAL, True),
     "utils.mixed_precision_linkage": NotOffered(_INTERNAL, True),
+    # -- DeepSpeed modules whose contents live elsewhere here: the module path is that module ---------------
+    "runtime.config": "shardspeed.compat.mirrors.runtime_config",
+    "runtime.utils": "shardspeed.compat.mirrors.runtime_utils",
+    "runtime.comm.coalesced_collectives": "shardspeed.compat.mirrors.coalesced_collectives",
+    "runtime.zero.partition_parameters": "shardspeed.compat.mirrors.zero_partition_parameters",
+    "runtime.zero.offload_config": "shardspeed.zero.offload_kinds",
+    "runtime.zero.offload_states": "shardspeed.zero.offload_states",
+    "runtime.pipe.engine": "shardspeed.runtime.pipeline_engine",
+    "ops.op_builder": "shardspeed.compat.mirrors.op_builder",
+    "utils.groups": "shardspeed.compat.mirrors.utils_groups",
+    "checkpoint.utils": "shardspeed.compat.mirrors.checkpoint_utils",
+    "compression.config": "shardspeed.compat.mirrors.compression_config",
+    "compression.utils": "shardspeed.compat.mirrors.compression_utils",
+    "inference.config.DeepSpeedInferenceConfig": "shardspeed.config.inference:InferenceConfig",
+    "inference.config.InferenceConfig": "shardspeed.config.inference:InferenceConfig",
+    "inference.config.DeepSpeedTPConfig": "shardspeed.config.inference:InferenceTensorParallelConfig",
+    "inference.config.InferenceCheckpointConfig": "shardspeed.config.inference:InferenceCheckpointConfig",
+    "inference.config.load_inference_config": "shardspeed.config.inference:load_inference_config",
+    "runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": NotOffered(_ULYSSES_HF),
+    "runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": NotOffered(_ULYSSES_HF),
     # -- deepspeed.runtime: the engine's modules under DeepSpeed's names ------------------------------------
     "runtime.pipe": "shardspeed.pipe",
     "runtime.pipe.topology": "shardspeed.comm.topology",
@@ -172,32 +197,32 @@ PATHS: dict[str, object] = {
     ),
     "sequence.fpdt_layer": NotOffered("FPDT (chunked long-sequence attention) layers are not built", True),
     "runtime.activation_checkpointing.checkpointing": "shardspeed.checkpointing",
-    "runtime.lr_schedules.*": "shardspeed.compat.lr_schedule_keys",
+    "runtime.lr_schedules.*": "shardspeed.compat.mirrors.lr_schedule_keys",
     "runtime.dataloader.DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
     "runtime.dataloader.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
-    "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": "shardspeed.compat.optimizer_classes:ZeroStage3Optimizer",
-    "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": "shardspeed.compat.optimizer_classes:ZeroStage12Optimizer",
-    "runtime.fp16.fused_optimizer.FP16_Optimizer": "shardspeed.compat.optimizer_classes:FP16Optimizer",
-    "runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "shardspeed.compat.optimizer_classes:FP16UnfusedOptimizer",
-    "runtime.bf16_optimizer.BF16_Optimizer": "shardspeed.compat.optimizer_classes:BF16Optimizer",
+    "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": "shardspeed.compat.mirrors.optimizer_classes:ZeroStage3Optimizer",
+    "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": "shardspeed.compat.mirrors.optimizer_classes:ZeroStage12Optimizer",
+    "runtime.fp16.fused_optimizer.FP16_Optimizer": "shardspeed.compat.mirrors.optimizer_classes:FP16Optimizer",
+    "runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "shardspeed.compat.mirrors.optimizer_classes:FP16UnfusedOptimizer",
+    "runtime.bf16_optimizer.BF16_Optimizer": "shardspeed.compat.mirrors.optimizer_classes:BF16Optimizer",
     "runtime.zero.Init": "shardspeed.zero.init:Init",
     "runtime.zero.GatheredParameters": "shardspeed.zero.api:GatheredParameters",
-    "runtime.zero.ZeroParamStatus": "shardspeed.runtime.zero.partition_parameters:ZeroParamStatus",
+    "runtime.zero.ZeroParamStatus": "shardspeed.compat.mirrors.zero_partition_parameters:ZeroParamStatus",
     "runtime.zero.register_external_parameter": "shardspeed.zero.api:register_external_parameter",
     "runtime.zero.unwrap_model_for_generation": "shardspeed.zero.api:unwrap_model_for_generation",
-    "runtime.zero.config.DeepSpeedZeroConfig": "shardspeed.compat.zero_config:DeepSpeedZeroConfig",
+    "runtime.zero.config.DeepSpeedZeroConfig": "shardspeed.compat.mirrors.zero_config:DeepSpeedZeroConfig",
     "runtime.zero.config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",
     "runtime.zero.config.DeepSpeedZeroOffloadOptimizerConfig": "shardspeed.config.zero:OffloadOptimizerConfig",
-    "runtime.zero.config.ZeroStageEnum": "shardspeed.compat.deepspeed_types:ZeroStageEnum",
-    "runtime.zero.config.OffloadDeviceEnum": "shardspeed.runtime.zero.offload_config:OffloadDeviceEnum",
+    "runtime.zero.config.ZeroStageEnum": "shardspeed.compat.mirrors.deepspeed_types:ZeroStageEnum",
+    "runtime.zero.config.OffloadDeviceEnum": "shardspeed.zero.offload_kinds:OffloadDeviceEnum",
     "runtime.zero.offload_config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",
     "runtime.zero.offload_config.DeepSpeedZeroOffloadOptimizerConfig": "shardspeed.config.zero:OffloadOptimizerConfig",
     "runtime.zero.leaf_module_config.DeepSpeedZeroLeafModuleConfig": "shardspeed.config.zero:LeafModuleConfig",
     "runtime.zero.leaf_module_config.DEFAULT_LEAF_MODULE_CLASSES": "shardspeed.config.zero:DEFAULT_LEAF_MODULE_CLASSES",
     "runtime.zero.leaf_module_config.DEFAULT_LEAF_MODULE_NAMES": "shardspeed.config.zero:DEFAULT_LEAF_MODULE_NAMES",
     "runtime.zero.leaf_module_config.DEFAULT_LEAF_MODULE_NAME_SUFFIXES": "shardspeed.config.zero:DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
-    "runtime.keep_in_fp32.keep_in_fp32_pattern": "shardspeed.runtime.module_dtypes:keep_in_fp32_pattern",
-    "runtime.zero.utils.ZeRORuntimeException": "shardspeed.compat.deepspeed_types:ZeRORuntimeException",
+    "runtime.keep_in_fp32.keep_in_fp32_pattern": "shardspeed.core.module_dtypes:keep_in_fp32_pattern",
+    "runtime.zero.utils.ZeRORuntimeException": "shardspeed.compat.mirrors.deepspeed_types:ZeRORuntimeException",
     "runtime.zero.partition_parameters.MultipleAllGatherHandles": NotOffered(_INTERNAL),
     "runtime.zero.partition_parameters.AllGatherCoalescedHandle": NotOffered(_INTERNAL),
     "runtime.zero.tiling.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
@@ -205,20 +230,20 @@ PATHS: dict[str, object] = {
     "runtime.zero.mics.MiCS_Init": NotOffered("MiCS (hierarchical ZeRO-3 partitioning) is not built"),
     "zero.MiCS_Init": NotOffered("MiCS (hierarchical ZeRO-3 partitioning) is not built"),
     "zero.TiledLinear": NotOffered("TiledLinear is not built (ZeRO-3 gathers whole units)"),
-    "runtime.config.*": "shardspeed.compat.config_names",
-    "runtime.constants.*": "shardspeed.compat.config_names",
-    "runtime.config.DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
-    "runtime.precision_config.get_bfloat16_config": "shardspeed.runtime.config:get_bfloat16_config",
-    "runtime.precision_config.get_float16_config": "shardspeed.runtime.config:get_float16_config",
-    "runtime.pipe.topology._prime_factors": "shardspeed.runtime.utils:prime_factors",
+    "runtime.config.*": "shardspeed.compat.mirrors.config_names",
+    "runtime.constants.*": "shardspeed.compat.mirrors.config_names",
+    "runtime.config.DeepSpeedConfig": "shardspeed.compat.mirrors.runtime_config:DeepSpeedConfig",
+    "runtime.precision_config.get_bfloat16_config": "shardspeed.compat.mirrors.runtime_config:get_bfloat16_config",
+    "runtime.precision_config.get_float16_config": "shardspeed.compat.mirrors.runtime_config:get_float16_config",
+    "runtime.pipe.topology._prime_factors": "shardspeed.compat.mirrors.runtime_utils:prime_factors",
     "runtime.comm.coalesced_collectives.all_to_all_quant_reduce": NotOffered(
         "quantized all-to-all gradient reduction (ZeRO++ qgZ) is not built"
     ),
     "runtime.zero.partition_parameters.partitioned_param_data_shape": (
-        "shardspeed.runtime.zero.partition_parameters:partitioned_param_data_shape"
+        "shardspeed.compat.mirrors.zero_partition_parameters:partitioned_param_data_shape"
     ),
     "runtime.config.DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
-    "runtime.config.ZeroStageEnum": "shardspeed.compat.deepspeed_types:ZeroStageEnum",
+    "runtime.config.ZeroStageEnum": "shardspeed.compat.mirrors.deepspeed_types:ZeroStageEnum",
     "runtime.config_utils.DeepSpeedConfigModel": NotOffered(
         "DeepSpeed's pydantic config base class; shardspeed has one config system of dataclasses (shardspeed.config)"
     ),
@@ -226,7 +251,7 @@ PATHS: dict[str, object] = {
         "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only checkpoint files itself"
     ),
     "runtime.engine.DeepSpeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
-    "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.runtime.optimizer_wrapper:OptimizerWrapper",
+    "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.core.optimizer_wrapper:OptimizerWrapper",
     "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
     "runtime.hybrid_engine": NotOffered(
         "the hybrid engine (RLHF generate + train in one engine) is not built", True
@@ -234,7 +259,7 @@ PATHS: dict[str, object] = {
     "runtime.data_pipeline": NotOffered("curriculum learning / data efficiency is not built", True),
     "runtime.comm.compressed": NotOffered("1-bit compressed communication is not built", True),
     "runtime.fp16.onebit": NotOffered("1-bit Adam/LAMB optimizers are not built", True),
-    "ops.aio.AsyncIOBuilder": "shardspeed.ops.op_builder:AsyncIOBuilder",
+    "ops.aio.AsyncIOBuilder": "shardspeed.compat.mirrors.op_builder:AsyncIOBuilder",
     "moe.sharded_moe._route_slots": NotOffered(_INTERNAL),
     "moe.sharded_moe._sparse_encode": NotOffered(_INTERNAL),
     "moe.sharded_moe._sparse_decode": NotOffered(_INTERNAL),
@@ -242,7 +267,7 @@ PATHS: dict[str, object] = {
     "utils.set_z3_leaf_modules_by_name": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_name",
     "utils.set_z3_leaf_modules_by_suffix": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_suffix",
     "monitor.csv_monitor.csvMonitor": "shardspeed.monitor.csv_monitor:CsvMonitor",
-    "monitor.config.DeepSpeedMonitorConfig": "shardspeed.runtime.config:DeepSpeedMonitorConfig",
+    "monitor.config.DeepSpeedMonitorConfig": "shardspeed.compat.mirrors.runtime_config:DeepSpeedMonitorConfig",
     "launcher.multinode_runner": NotOffered(
         "DeepSpeed's runner classes are internal; shardspeed's launcher builds the same backends' commands "
         "(shardspeed/launcher/multinode.py) behind the same flags",
@@ -274,11 +299,11 @@ PATHS: dict[str, object] = {
     "utils.log_dist_once": "shardspeed.utils.logging:log_dist_once",
     "utils.set_log_level_from_string": "shardspeed.utils.logging:set_log_level_from_string",
     "utils.instrument_w_nvtx": "shardspeed.utils.torch:instrument_w_nvtx",
-    "zero.ZeroParamStatus": "shardspeed.runtime.zero.partition_parameters:ZeroParamStatus",
-    "checkpointing.DeepSpeedConfig": "shardspeed.runtime.config:DeepSpeedConfig",
+    "zero.ZeroParamStatus": "shardspeed.compat.mirrors.zero_partition_parameters:ZeroParamStatus",
+    "checkpointing.DeepSpeedConfig": "shardspeed.compat.mirrors.runtime_config:DeepSpeedConfig",
     "checkpointing.get_accelerator": "shardspeed.accelerator:get_accelerator",
-    "checkpointing.see_memory_usage": "shardspeed.runtime.utils:see_memory_usage",
-    "MUON_OPTIMIZER": "shardspeed.compat.config_names:MUON_OPTIMIZER",
+    "checkpointing.see_memory_usage": "shardspeed.compat.mirrors.runtime_utils:see_memory_usage",
+    "MUON_OPTIMIZER": "shardspeed.compat.mirrors.config_names:MUON_OPTIMIZER",
     "pipe.DualPipeVModule": NotOffered(
         "the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"
     ),

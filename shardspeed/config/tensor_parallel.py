@@ -8,6 +8,7 @@ path before any process group exists.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -15,7 +16,7 @@ from .blocks import NonNegInt
 from .build import Key, show
 from .errors import ConfigError
 
-__all__ = ["PartitionConfig", "TensorParallelConfig"]
+__all__ = ["PartitionConfig", "PartitionRule", "TensorParallelConfig", "parse_layer_specs"]
 
 
 # DeepSpeed's inner `tensor_parallel.tp` block besides tp_size (its TPConfig), with its defaults
@@ -34,8 +35,6 @@ class PartitionConfig:
     """Rules ``{"patterns": [regex], "partition_type": "column"|"row"|"skip", "shape": ...}``, first match wins."""
 
     def validate(self, path: str) -> None:
-        from shardspeed.module_inject.auto_tp import parse_layer_specs
-
         try:
             parse_layer_specs(self.layer_specs, where=f"{path}.layer_specs")
         except ValueError as err:
@@ -102,3 +101,53 @@ class TensorParallelConfig:
     def size(self) -> int:
         """The tensor-parallel degree (1 when off)."""
         return max(1, self.autotp_size)
+
+
+@dataclass(frozen=True)
+class PartitionRule:
+    """One compiled `layer_specs` rule: AutoTP applies the first whose pattern matches a module name."""
+
+    patterns: tuple[re.Pattern, ...]
+    kind: str  # "column" | "row" | "skip"
+    segments: tuple[int, ...] | int | None = None  # column: sizes of the fused parts, or their count
+
+
+def parse_layer_specs(specs, where: str = "layer_specs") -> list[PartitionRule]:
+    """DeepSpeed's `partition_config.layer_specs` list → compiled specs; errors name the entry."""
+    parsed = []
+    for i, spec in enumerate(specs or []):
+        key = f"{where}[{i}]"
+        if not isinstance(spec, dict) or not spec.get("patterns"):
+            raise ValueError(
+                f"{key}: expected {{'patterns': [regex, ...], 'partition_type': ...}}, got {spec!r}"
+            )
+        kind = str(spec.get("partition_type", "column")).lower()
+        if kind not in ("column", "row", "skip"):
+            raise ValueError(f"{key}.partition_type: {kind!r} is not one of 'column', 'row', 'skip'")
+        unknown = set(spec) - {"patterns", "partition_type", "shape", "partition_dim", "model_types"}
+        if unknown:
+            raise ValueError(f"{key}: unsupported key(s) {sorted(unknown)}")
+        if spec.get("partition_dim") not in (None, 0):
+            raise ValueError(
+                f"{key}.partition_dim: only 0 (the output features of a column layer) is supported"
+            )
+        patterns = spec["patterns"] if isinstance(spec["patterns"], list) else [spec["patterns"]]
+        try:
+            compiled = tuple(re.compile(p) for p in patterns)
+        except re.error as err:
+            raise ValueError(f"{key}.patterns: bad regular expression ({err})") from err
+        parsed.append(PartitionRule(compiled, kind, _spec_segments(spec.get("shape"), key)))
+    return parsed
+
+
+def _spec_segments(shape, key: str):
+    if shape is None:
+        return None
+    first = shape[0] if isinstance(shape, (list, tuple)) and shape else None
+    if isinstance(first, int) and first > 0:
+        return first
+    if isinstance(first, (list, tuple)) and all(isinstance(s, int) and s > 0 for s in first):
+        return tuple(first)
+    raise ValueError(
+        f"{key}.shape: supported forms are (parts, -1) or ((size, size, ...), -1), got {shape!r}"
+    )

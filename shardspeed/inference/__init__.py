@@ -18,14 +18,11 @@ from shardspeed.config.inference import InferenceConfig, load_inference_config
 from .engine import InferenceEngine
 
 __all__ = [
-    "DeepSpeedInferenceConfig",
     "InferenceConfig",
     "InferenceEngine",
     "default_inference_config",
     "init_inference",
 ]
-
-DeepSpeedInferenceConfig = InferenceConfig
 
 
 def init_inference(model, config=None, **kwargs) -> InferenceEngine:

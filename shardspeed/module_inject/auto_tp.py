@@ -24,17 +24,17 @@ Works on a meta-device model too (shards are views of nothing until weights are 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import nn
 
+from shardspeed.config.tensor_parallel import PartitionRule, parse_layer_specs
 from shardspeed.module_inject.layers import LinearAllreduce, LinearLayer, TPPartition
 from shardspeed.module_inject.tp_comm import SharedInputCopy, group_size
 from shardspeed.module_inject.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
-__all__ = ["TPReport", "parse_layer_specs", "shard_model"]
+__all__ = ["TPReport", "shard_model"]
 
 COLUMN_NAMES = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "q", "k", "v",
                 "gate_proj", "up_proj", "w1", "w3", "fc_in", "fc1", "c_fc", "dense_h_to_4h"}  # fmt: skip
@@ -64,54 +64,6 @@ class TPReport:
     def summary(self) -> str:
         return (f"AutoTP tp={self.tp_size}: {len(self.column)} column, {len(self.row)} row, "
                 f"{len(self.vocab_parallel)} vocabulary-parallel, {len(self.replicated)} replicated linears")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Spec:
-    patterns: tuple[re.Pattern, ...]
-    kind: str  # "column" | "row" | "skip"
-    segments: tuple[int, ...] | int | None = None  # column: sizes of the fused parts, or their count
-
-
-def parse_layer_specs(specs, where: str = "layer_specs") -> list[_Spec]:
-    """DeepSpeed's `partition_config.layer_specs` list → compiled specs; errors name the entry."""
-    parsed = []
-    for i, spec in enumerate(specs or []):
-        key = f"{where}[{i}]"
-        if not isinstance(spec, dict) or not spec.get("patterns"):
-            raise ValueError(
-                f"{key}: expected {{'patterns': [regex, ...], 'partition_type': ...}}, got {spec!r}"
-            )
-        kind = str(spec.get("partition_type", "column")).lower()
-        if kind not in ("column", "row", "skip"):
-            raise ValueError(f"{key}.partition_type: {kind!r} is not one of 'column', 'row', 'skip'")
-        unknown = set(spec) - {"patterns", "partition_type", "shape", "partition_dim", "model_types"}
-        if unknown:
-            raise ValueError(f"{key}: unsupported key(s) {sorted(unknown)}")
-        if spec.get("partition_dim") not in (None, 0):
-            raise ValueError(
-                f"{key}.partition_dim: only 0 (the output features of a column layer) is supported"
-            )
-        patterns = spec["patterns"] if isinstance(spec["patterns"], list) else [spec["patterns"]]
-        try:
-            compiled = tuple(re.compile(p) for p in patterns)
-        except re.error as err:
-            raise ValueError(f"{key}.patterns: bad regular expression ({err})") from err
-        parsed.append(_Spec(compiled, kind, _spec_segments(spec.get("shape"), key)))
-    return parsed
-
-
-def _spec_segments(shape, key: str):
-    if shape is None:
-        return None
-    first = shape[0] if isinstance(shape, (list, tuple)) and shape else None
-    if isinstance(first, int) and first > 0:
-        return first
-    if isinstance(first, (list, tuple)) and all(isinstance(s, int) and s > 0 for s in first):
-        return tuple(first)
-    raise ValueError(
-        f"{key}.shape: supported forms are (parts, -1) or ((size, size, ...), -1), got {shape!r}"
-    )
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -147,7 +99,7 @@ def _default_kind(name: str) -> tuple[str, str | None] | None:
     return None
 
 
-def _spec_for(name: str, specs: list[_Spec]) -> _Spec | None:
+def _spec_for(name: str, specs: list[PartitionRule]) -> PartitionRule | None:
     for spec in specs:
         if any(p.match(name) or p.match(name + ".weight") for p in spec.patterns):
             return spec
@@ -163,7 +115,7 @@ def _attr(module: nn.Module, names) -> tuple[str, int] | None:
 
 
 class _Sharder:
-    def __init__(self, model: nn.Module, group, specs: list[_Spec], use_defaults: bool):
+    def __init__(self, model: nn.Module, group, specs: list[PartitionRule], use_defaults: bool):
         self.model, self.group, self.specs, self.use_defaults = model, group, specs, use_defaults
         self.tp = group_size(group)
         self.rank = dist.get_rank(group) if self.tp > 1 else 0
@@ -171,7 +123,7 @@ class _Sharder:
         self.modules = dict(model.named_modules())
         self.input_copy = SharedInputCopy()  # column layers reading one input all-reduce its gradient once
 
-    def plan(self) -> dict[str, tuple[str, str | None, _Spec | None]]:
+    def plan(self) -> dict[str, tuple[str, str | None, PartitionRule | None]]:
         plan, unplaced = {}, []
         for name, module in self.modules.items():
             if not _is_linear(module):
@@ -216,7 +168,9 @@ class _Sharder:
                     f"tensor-parallel size {self.tp}"
                 )
 
-    def segments(self, name: str, module: nn.Module, fused: str | None, spec: _Spec | None, size: int):
+    def segments(
+        self, name: str, module: nn.Module, fused: str | None, spec: PartitionRule | None, size: int
+    ):
         wanted = spec.segments if spec is not None else None
         if isinstance(wanted, tuple):
             if sum(wanted) != size:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.comm.collectives import all_reduce
-from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
+from shardspeed.core.optimizer_wrapper import OptimizerWrapper
 
 __all__ = ["ExpertParallelOptimizer", "ReductionDomain"]
 

@@ -6,7 +6,7 @@
     loss = engine.train_batch(data_iter)
 
 Layers and stages: module.py and partition.py; schedules: schedule.py; stage-to-stage transfers: p2p.py;
-the engine: engine.py; per-layer checkpoint files: checkpoint.py.
+per-layer checkpoint files: checkpoint.py. The engine that runs them is shardspeed/runtime/pipeline_engine.py.
 """
 
 from shardspeed.comm.topology import (

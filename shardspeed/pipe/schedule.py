@@ -2,7 +2,7 @@
 
 A schedule is data, not control flow: `TrainSchedule(micro_batches, stages, stage_id).steps()` returns a
 list of `PipeInstruction`s that can be printed, compared and tested without any process group; the engine
-(`pipe/engine.py`) executes them one by one. The instruction names are DeepSpeed's.
+(`runtime/pipeline_engine.py`) executes them one by one. The instruction names are DeepSpeed's.
 
 `TrainSchedule` is 1F1B ("one forward, one backward"): stage s first runs `stages - s - 1` warm-up forwards,
 then alternates a forward with a backward, then drains the remaining backwards. At most `stages - s`

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardspeed.runtime.grad_buckets import BucketedAllReducer
-from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
-from shardspeed.runtime.placement import place_optimizer_state
-from shardspeed.runtime.precision import LossScaler, PrecisionPlan
+from shardspeed.core.grad_buckets import BucketedAllReducer
+from shardspeed.core.optimizer_wrapper import OptimizerWrapper
+from shardspeed.core.placement import place_optimizer_state
+from shardspeed.core.precision import LossScaler, PrecisionPlan
 
 
 class DataParallelOptimizer(OptimizerWrapper):

@@ -24,27 +24,26 @@ from torch import nn
 from shardspeed import accelerator
 from shardspeed.compression.engine_part import CompressionSchedule
 from shardspeed.config import ShardspeedConfig, resolve_batch_sizes
+from shardspeed.core import memory, partitioned
+from shardspeed.core.autocast import TorchAutocast
+from shardspeed.core.module_dtypes import cast_module
+from shardspeed.core.precision import PrecisionPlan
+from shardspeed.core.usage_errors import EngineUsageError
 from shardspeed.moe.parallelism import ExpertParallelism
-from shardspeed.runtime import memory
-from shardspeed.runtime.autocast import TorchAutocast
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.compiler import ModuleCompiler
 from shardspeed.runtime.data import ShardedDataLoader
 from shardspeed.runtime.engine_extras import EngineExtras
 from shardspeed.runtime.engine_getters import ConfigGetters
 from shardspeed.runtime.engine_integrations import IntegrationMethods
-from shardspeed.runtime.module_dtypes import cast_module
 from shardspeed.runtime.observers import StepObservers
-from shardspeed.runtime.precision import PrecisionPlan
 from shardspeed.runtime.python_gc import ProcessSettings
 from shardspeed.runtime.stage_wrappers import wrap_optimizer
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
-from shardspeed.runtime.usage_errors import EngineUsageError
-from shardspeed.runtime.zero.offload_states import StateOffloader
 from shardspeed.sequence.engine_part import SequenceParallelism
 from shardspeed.utils.logging import log_dist
 from shardspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
-from shardspeed.zero import init as zero_init
+from shardspeed.zero.offload_states import StateOffloader
 from shardspeed.zero.zeropp import build_zeropp
 
 
@@ -99,7 +98,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         self.plan = PrecisionPlan.from_config(config, sequence_parallel=self.sequence.enabled)
         if self.zero_optimization_stage() < 3:  # built under zero.Init: stages 0-2 keep full parameters
             for p in model.parameters():
-                zero_init.materialize(p)
+                partitioned.materialize(p)
         self.module = model.to(device=self.device)
         cast_module(self.module, self.plan.param_dtype, config.data_types)
         apply_zero_leaf_module_config(self.module, config.zero_optimization.leaf_module)
@@ -436,9 +435,6 @@ def _cast_floating(obj, dtype: torch.dtype):
     if isinstance(obj, dict):
         return {k: _cast_floating(v, dtype) for k, v in obj.items()}
     return obj
-
-
-DeepSpeedEngine = ShardspeedEngine  # DeepSpeed's class name (`deepspeed.runtime.engine.DeepSpeedEngine`)
 
 
 def _gather_only_optimizer(module: nn.Module) -> torch.optim.Optimizer:

@@ -18,7 +18,7 @@ import gc
 from shardspeed import accelerator
 from shardspeed.runtime.compiler import default_backend
 from shardspeed.runtime.python_gc import python_gc
-from shardspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from shardspeed.zero.offload_kinds import OffloadDeviceEnum
 
 __all__ = ["EngineExtras"]
 

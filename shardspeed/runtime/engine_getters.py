@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shardspeed.runtime.precision import DTYPES
+from shardspeed.core.precision import DTYPES
 
 __all__ = ["ConfigGetters"]
 
@@ -220,7 +220,7 @@ class ConfigGetters:
         return DTYPES[dtype] if dtype is not None else None
 
     def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
-        from shardspeed.runtime.autocast import DEFAULT_SAFE_MODULES
+        from shardspeed.core.autocast import DEFAULT_SAFE_MODULES
 
         names = self._config.torch_autocast.lower_precision_safe_modules
         return list(DEFAULT_SAFE_MODULES) if names is None else list(names)

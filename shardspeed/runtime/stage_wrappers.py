@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.config import ConfigError
+from shardspeed.core import partitioned
+from shardspeed.core.grad_buckets import BucketedAllReducer, bucket_layout, comm_dtype_of
+from shardspeed.core.precision import make_scaler
 from shardspeed.runtime.data_parallel import DataParallelOptimizer
-from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout, comm_dtype_of
 from shardspeed.runtime.optim import is_zero_tested_optimizer
-from shardspeed.runtime.precision import make_scaler
-from shardspeed.zero import init as zero_init
 from shardspeed.zero.offload import OptimizerOffload
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
 from shardspeed.zero.swap import AioSettings
@@ -117,7 +117,7 @@ def _stage3_unit_numel(engine, sub_group_numel: int) -> int:
     """Largest unit gathered whole: the prefetch/bucket/sub-group sizes, and at most a quarter of the
     model, so that even a small model spans several units and gathers overlap the compute of earlier ones."""
     zero_cfg = engine._config.zero_optimization
-    total = sum(zero_init.logical_numel(p) for p in {id(p): p for p in engine.module.parameters()}.values())
+    total = sum(partitioned.logical_numel(p) for p in {id(p): p for p in engine.module.parameters()}.values())
     limits = (zero_cfg.reduce_bucket_size, zero_cfg.stage3_prefetch_bucket_size, sub_group_numel)
     return int(min(*limits, max(1, total // 4)))
 

@@ -2,7 +2,9 @@
 
 `TensorParallel.shard(model, grid, config)` makes every tensor rank start from tensor rank 0's full
 weights (one broadcast; meta tensors are skipped), then shards the model with AutoTP. `attach(engine)`
-installs the global-norm hook on the engine's optimizer wrapper.
+installs the global-norm hook on the engine's optimizer wrapper. `tp_model_init` (DeepSpeed 0.19.8's
+`deepspeed.tp_model_init`) only records its arguments on the model, as in DeepSpeed; `merge_tp_model_init`
+merges them into the config's `tensor_parallel` block at `initialize`.
 
 Gradient norm: the wrapper's norm on tensor rank r covers this rank's shards (S_r) and the replicated
 parameters (R, identical on every tensor rank, since their inputs and incoming gradients are). The global
@@ -23,12 +25,49 @@ import torch.distributed as dist
 
 from shardspeed import accelerator
 from shardspeed.config import ConfigError
+from shardspeed.core.layout import tensor_group
 from shardspeed.module_inject.auto_tp import TPReport, shard_model
 from shardspeed.module_inject.tp_state import partitions_of
-from shardspeed.runtime.layout import tensor_group
+from shardspeed.pipe.module import PipelineModule
 from shardspeed.utils.logging import log_dist
 
-__all__ = ["TensorParallel", "prepare_tensor_parallel"]
+__all__ = ["TensorParallel", "merge_tp_model_init", "prepare_tensor_parallel", "tp_model_init"]
+
+
+def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
+    """Record `tp_size` (and `dtype`, `config`) for `initialize`, which does the sharding. Returns `model`."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tp_model_init: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tp_model_init: tp_size must be a positive integer, got {tp_size!r}")
+    if kwargs.get("tp_group") is not None:
+        raise ValueError(
+            "tp_model_init(tp_group=...): pass the layout through the config's tensor_parallel block"
+        )
+    model._shardspeed_tp_model_init = {"tp_size": tp_size, "dtype": dtype, "config": config}
+    return model
+
+
+def merge_tp_model_init(raw: dict, model):
+    """The config dict with `tp_model_init`'s recorded arguments merged into `tensor_parallel`, and the
+    tensor degree. The dict is returned untouched when neither asks for tensor parallelism."""
+    recorded = getattr(model, "_shardspeed_tp_model_init", None)
+    block = raw.get("tensor_parallel") if isinstance(raw, dict) else None
+    size = block.get("autotp_size", 0) if isinstance(block, dict) else 0
+    if recorded is None:
+        size = size if isinstance(size, int) and size > 1 else 1
+        if size > 1 and isinstance(model, PipelineModule):
+            raise ConfigError(
+                "tensor_parallel.autotp_size: AutoTP cannot be combined with a PipelineModule yet"
+            )
+        return raw, size
+    if size not in (0, 1, recorded["tp_size"]):
+        raise ConfigError(
+            f"tensor_parallel.autotp_size: {size} conflicts with tp_model_init(tp_size={recorded['tp_size']})"
+        )
+    merged = dict(raw)
+    merged["tensor_parallel"] = {**(block or {}), "autotp_size": recorded["tp_size"]}
+    return merged, max(1, recorded["tp_size"])
 
 
 def prepare_tensor_parallel(config, model, grid, model_parameters, optimizer):

@@ -3,6 +3,7 @@
 User-facing names as DeepSpeed's `deepspeed.zero`.
 """
 
+from shardspeed.core.partitioned import ZeroParamStatus, ZeroParamType
 from shardspeed.zero.api import (
     GatheredParameters,
     register_external_parameter,
@@ -13,7 +14,7 @@ from shardspeed.zero.api import (
     unregister_external_parameter,
     unwrap_model_for_generation,
 )
-from shardspeed.zero.init import Init, ZeroParamStatus, ZeroParamType
+from shardspeed.zero.init import Init
 
 __all__ = [
     "GatheredParameters",

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat
-from shardspeed.zero import init as zero_init
+from shardspeed.core import partitioned
 
 
 def _owner(param: nn.Parameter):
@@ -41,19 +41,19 @@ class GatheredParameters:
             }
             self.units = sorted(units.values(), key=lambda u: u.names[0])  # the same order on every rank
         # Partitioned by zero.Init, not yet owned by an engine: in the caller's order, the same on every rank.
-        self.init_params = [p for p in params if zero_init.is_partitioned(p)] if enabled else []
+        self.init_params = [p for p in params if partitioned.is_partitioned(p)] if enabled else []
 
     def __enter__(self):
         for unit in self.units:
             unit.gather()
             unit.refs += 1
         for param in self.init_params:
-            zero_init.gather(param)
+            partitioned.gather(param)
         return self
 
     def __exit__(self, *exc):
         for param in self.init_params:
-            zero_init.release(param, self.modifier_rank)
+            partitioned.release(param, self.modifier_rank)
         for unit in self.units:
             if self.modifier_rank is not None:
                 src = (

@@ -10,7 +10,7 @@ import argparse
 
 from torch import nn
 
-from shardspeed.runtime.memory import estimate, format_estimate
+from shardspeed.core.memory import estimate, format_estimate
 
 
 def _count(model: nn.Module) -> int:

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat, all_reduce
-from shardspeed.runtime.grad_buckets import BucketedAllReducer, bucket_layout, comm_dtype_of
-from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
-from shardspeed.runtime.placement import place_optimizer_state
-from shardspeed.runtime.precision import LossScaler, PrecisionPlan, unscaled_in_kernel
-from shardspeed.zero.flat_params import FlatParamBucket
+from shardspeed.core.flat_params import FlatParamBucket
+from shardspeed.core.grad_buckets import BucketedAllReducer, bucket_layout, comm_dtype_of
+from shardspeed.core.optimizer_wrapper import OptimizerWrapper
+from shardspeed.core.placement import place_optimizer_state
+from shardspeed.core.precision import LossScaler, PrecisionPlan, unscaled_in_kernel
 from shardspeed.zero.offload import GradientNorms, HostGradients, OptimizerOffload
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from shardspeed.comm.collectives import _Works, all_gather_flat, all_reduce
-from shardspeed.zero.flat_params import FlatParamBucket, _moved
-from shardspeed.zero.init import ZeroParamStatus, logical_numel, mark_zero_param
+from shardspeed.core.flat_params import FlatParamBucket, _moved
+from shardspeed.core.partitioned import ZeroParamStatus, logical_numel, mark_zero_param
 
 
 class LiveNumel:

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_reduce, reduce_scatter_flat
-from shardspeed.runtime.grad_buckets import comm_dtype_of
-from shardspeed.zero.flat_params import FlatParamBucket
+from shardspeed.core.flat_params import FlatParamBucket
+from shardspeed.core.grad_buckets import comm_dtype_of
 
 MAX_IN_FLIGHT = 2
 
@@ -227,7 +227,7 @@ class ShardedGradReducer:
 
     def move_to(self, device: torch.device, pin_memory: bool = False, non_blocking: bool = False) -> None:
         """Move the reduced gradient shards to `device` (`engine.offload_states`)."""
-        from shardspeed.zero.flat_params import _moved
+        from shardspeed.core.flat_params import _moved
 
         for slot in self.slots:
             if slot.grad_shard is not None:

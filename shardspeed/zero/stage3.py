@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardspeed.core.partitioned import logical_numel
 from shardspeed.utils.logging import logger
-from shardspeed.zero.init import logical_numel
 from shardspeed.zero.param_units import LiveNumel, ParamUnit, plan_units
 
 

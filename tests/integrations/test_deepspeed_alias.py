@@ -28,7 +28,8 @@ CHECK_NAMES = textwrap.dedent(
     for name in modules:
         alias = importlib.import_module("deepspeed." + name)
         assert alias is importlib.import_module("shardspeed." + name), name
-        assert alias.__name__ == alias.__spec__.name == "shardspeed." + name, alias.__spec__
+        # the module keeps its own name and spec (a DeepSpeed path the table maps may be a module of another name)
+        assert alias.__name__ == alias.__spec__.name and alias.__name__.startswith("shardspeed."), alias.__spec__
     # no module exists twice: every deepspeed.* entry is the shardspeed.* module object
     for name, module in list(sys.modules.items()):
         if name.startswith("deepspeed."):
@@ -80,7 +81,7 @@ CHECK_NAMES = textwrap.dedent(
         try:
             call()
         except NotImplementedError as error:
-            assert "not implemented in shardspeed yet" in str(error), error
+            assert "is not offered by shardspeed" in str(error), error
         else:
             raise AssertionError("expected NotImplementedError")
     try:

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardspeed import accelerator
+from shardspeed.core.partitioned import logical_numel
 from shardspeed.profiling.flops_profiler.report import format_profile, number_to_string
-from shardspeed.zero.init import logical_numel
 
 __all__ = ["FlopsProfiler", "get_model_profile"]
 

@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import torch
 
-from shardspeed.runtime.placement import place_optimizer_state
+from shardspeed.core.placement import place_optimizer_state
 from shardspeed.zero.swap.aio import AsyncFileIO, IoRequest, aligned_empty
 from shardspeed.zero.swap.folder import SwapFolder
 

@@ -166,7 +166,7 @@ def build_param_tier(block, aio, module, group) -> ParamTier | None:
         return None
     import torch.distributed as dist
 
-    from shardspeed.zero.init import logical_numel
+    from shardspeed.core.partitioned import logical_numel
 
     world = dist.get_world_size(group)
     bytes_needed = sum(-(-logical_numel(p) // world) * p.element_size() for p in module.parameters())

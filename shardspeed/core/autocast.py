@@ -20,7 +20,7 @@ import importlib
 import torch
 from torch import nn
 
-from shardspeed.runtime.precision import DTYPES
+from shardspeed.core.precision import DTYPES
 from shardspeed.utils.logging import log_dist
 
 __all__ = ["DEFAULT_SAFE_MODULES", "TorchAutocast"]

@@ -15,7 +15,7 @@ import re
 import torch
 from torch import nn
 
-from shardspeed.runtime.precision import DTYPES
+from shardspeed.core.precision import DTYPES
 
 __all__ = ["cast_module", "keep_in_fp32_pattern"]
 

@@ -50,7 +50,7 @@ class _WrapperCheck(type):
 
 
 def _stage(wrapper) -> int | None:
-    from shardspeed.runtime.optimizer_wrapper import OptimizerWrapper
+    from shardspeed.core.optimizer_wrapper import OptimizerWrapper
 
     return wrapper.zero_stage if isinstance(wrapper, OptimizerWrapper) else None
 

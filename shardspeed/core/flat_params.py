@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardspeed.zero.init import full_value, is_partitioned, logical_numel, logical_shape
+from shardspeed.core.partitioned import full_value, is_partitioned, logical_numel, logical_shape
 
 
 class FlatParamBucket:

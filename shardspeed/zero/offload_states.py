@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from shardspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-from shardspeed.zero.flat_params import _moved
+from shardspeed.core.flat_params import _moved
+from shardspeed.zero.offload_kinds import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum", "StateOffloader"]
 

@@ -10,14 +10,10 @@ and [2, 3], data groups [0, 2] and [1, 3]); the engine reduces over the sequence
 
 The two together are not supported yet. The grid the latest `initialize` built (or the user's mpu) is kept
 here for `deepspeed.utils.groups`' getters (`latest_grid`); nothing else reads it.
-
-`tp_model_init` (DeepSpeed 0.19.8's `deepspeed.tp_model_init`) only records its arguments on the model, as
-in DeepSpeed; `merge_tp_model_init` merges them into the config's `tensor_parallel` block at `initialize`.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from shardspeed.comm.topology import ParallelGrid, ProcessTopology
@@ -27,8 +23,6 @@ __all__ = [
     "build_parallel_grid",
     "data_parallel_world",
     "latest_grid",
-    "merge_tp_model_init",
-    "tp_model_init",
 ]
 
 _LATEST: dict[str, object] = {"grid": None}
@@ -37,44 +31,6 @@ _LATEST: dict[str, object] = {"grid": None}
 def latest_grid():
     """The grid (or user mpu) the latest `initialize` ran with; None before any."""
     return _LATEST["grid"]
-
-
-def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
-    """Record `tp_size` (and `dtype`, `config`) for `initialize`, which does the sharding. Returns `model`."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"tp_model_init: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-        raise ValueError(f"tp_model_init: tp_size must be a positive integer, got {tp_size!r}")
-    if kwargs.get("tp_group") is not None:
-        raise ValueError(
-            "tp_model_init(tp_group=...): pass the layout through the config's tensor_parallel block"
-        )
-    model._shardspeed_tp_model_init = {"tp_size": tp_size, "dtype": dtype, "config": config}
-    return model
-
-
-def merge_tp_model_init(raw: dict, model):
-    """The config dict with `tp_model_init`'s recorded arguments merged into `tensor_parallel`, and the
-    tensor degree. The dict is returned untouched when neither asks for tensor parallelism."""
-    from shardspeed.pipe.module import PipelineModule
-
-    recorded = getattr(model, "_shardspeed_tp_model_init", None)
-    block = raw.get("tensor_parallel") if isinstance(raw, dict) else None
-    size = block.get("autotp_size", 0) if isinstance(block, dict) else 0
-    if recorded is None:
-        size = size if isinstance(size, int) and size > 1 else 1
-        if size > 1 and isinstance(model, PipelineModule):
-            raise ConfigError(
-                "tensor_parallel.autotp_size: AutoTP cannot be combined with a PipelineModule yet"
-            )
-        return raw, size
-    if size not in (0, 1, recorded["tp_size"]):
-        raise ConfigError(
-            f"tensor_parallel.autotp_size: {size} conflicts with tp_model_init(tp_size={recorded['tp_size']})"
-        )
-    merged = dict(raw)
-    merged["tensor_parallel"] = {**(block or {}), "autotp_size": recorded["tp_size"]}
-    return merged, max(1, recorded["tp_size"])
 
 
 def data_parallel_world(world: int, tp_size: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from shardspeed.runtime.precision import step_multiplier
+from shardspeed.core.precision import step_multiplier
 
 
 class OptimizerWrapper:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from shardspeed.runtime.layout import latest_grid
+from shardspeed.core.layout import latest_grid
 
 __all__ = [
     "_create_expert_and_data_parallel",

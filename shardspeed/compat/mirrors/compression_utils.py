@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .quantizers import quantize_activation, quantize_codes
+from shardspeed.compression.quantizers import quantize_activation, quantize_codes
 
 __all__ = ["AsymQuantizer", "BinaryQuantizer", "SymQuantizer", "TernaryQuantizer", "TopKBinarizer"]
 

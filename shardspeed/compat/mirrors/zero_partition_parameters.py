@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from shardspeed.accelerator import get_accelerator
+from shardspeed.core.partitioned import ZeroParamStatus, ZeroParamType, is_partitioned
 from shardspeed.zero import GatheredParameters, Init
-from shardspeed.zero.init import ZeroParamStatus, ZeroParamType, is_partitioned
 
 __all__ = [
     "GatheredParameters",

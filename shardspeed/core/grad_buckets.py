@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_reduce, completed_work, reduce_scatter_flat
-from shardspeed.zero.init import logical_numel
+from shardspeed.core.partitioned import logical_numel
 
 
 class GradBucket:
@@ -275,7 +275,7 @@ class BucketedAllReducer:
     def move_to(self, device: torch.device, pin_memory: bool = False, non_blocking: bool = False) -> None:
         """Move the gradient buffers to `device` (`engine.offload_states`). While they are away from the
         parameters' device the parameters have no `.grad` (torch requires the two on one device)."""
-        from shardspeed.zero.flat_params import _moved
+        from shardspeed.core.flat_params import _moved
 
         for bucket in self.buckets:
             bucket.buffer = _moved(bucket.buffer, device, pin_memory, non_blocking)

@@ -2,14 +2,14 @@
 
 DeepSpeed writes this module at build time; its test harness and `ds_report` read `torch_info` and
 `installed_ops`. Here every op shardspeed serves counts as installed, since nothing needs building
-(shardspeed/ops/op_builder.py), and `torch_info` describes the torch actually imported.
+(shardspeed/compat/mirrors/op_builder.py), and `torch_info` describes the torch actually imported.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardspeed.ops.op_builder import COMPATIBLE_OPS
+from shardspeed.compat.mirrors.op_builder import COMPATIBLE_OPS
 from shardspeed.version import __git_branch__, __git_hash__, __version__
 
 __all__ = [

@@ -1,1 +1,0 @@
-"""DeepSpeed's `deepspeed.runtime.comm` path: coalesced collectives (coalesced_collectives.py)."""
