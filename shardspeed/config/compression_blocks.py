@@ -15,29 +15,20 @@ or ignores a value, this block refuses it with the key path instead:
 * 1- and 2-bit weights (binary, ternary) are symmetric with nearest rounding, as 0.18.9 asserts at run time.
 
 The techniques themselves live in ``shardspeed/compression``; the engine steps them (``engine_part.py``).
+This module holds the typed blocks, which ``schema.py`` embeds; ``compression.py`` adds
+``build_compression_config`` (which reads a whole config, so it sits above ``schema`` and ``loader``) and
+is the module to import them from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from .blocks import NonNegInt, PositiveInt
-from .build import BuildContext, Key, build_block, join, show
+from .build import Key, join, show
 from .compression_groups import ActivationQuantizationGroup, DenseRatio, PruningGroup, WeightQuantizationGroup
 from .errors import ConfigError
-
-__all__ = [
-    "ActivationQuantizationConfig",
-    "ChannelPruningConfig",
-    "CompressionTrainingConfig",
-    "HeadPruningConfig",
-    "LayerReductionConfig",
-    "RowPruningConfig",
-    "SparsePruningConfig",
-    "WeightQuantizationConfig",
-    "build_compression_config",
-]
 
 Method = Literal["l1", "topk"]
 QuantizationType = Literal["symmetric", "asymmetric"]
@@ -351,25 +342,3 @@ class CompressionTrainingConfig:
     @property
     def any_enabled(self) -> bool:
         return bool(self.enabled_techniques()) or self.layer_reduction.enabled
-
-
-def build_compression_config(config: Any) -> CompressionTrainingConfig:
-    """The typed block from what ``init_compression`` and friends accept: a DeepSpeed config (dict, JSON
-    path, ``ShardspeedConfig``), the ``compression_training`` block itself, or an already typed block."""
-    if isinstance(config, CompressionTrainingConfig):
-        return config
-    from .schema import ShardspeedConfig
-
-    if isinstance(config, ShardspeedConfig):
-        return config.compression_training
-    from .loader import read_config_source
-
-    raw = read_config_source(config)
-    names = {f.name for f in fields(CompressionTrainingConfig)}
-    if "compression_training" in raw:
-        block, path = raw["compression_training"], "compression_training"
-    elif raw and set(raw) <= names:
-        block, path = raw, "compression_training"
-    else:
-        block, path = {}, "compression_training"
-    return build_block(CompressionTrainingConfig, block or {}, path, BuildContext())
