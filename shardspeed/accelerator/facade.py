@@ -3,7 +3,7 @@
 Code written for DeepSpeed asks the accelerator object for device names, the communication backend, RNG and
 memory statistics instead of calling `torch.cuda` directly (Transformers loads ZeRO-3 buffers onto
 `get_accelerator().current_device_name()`). One class serves CUDA and CPU: each method asks torch about the
-device type chosen once by `shardspeed.accelerator.has_cuda`. Methods that only make sense on a GPU (streams,
+device type chosen once by `has_cuda` (device.py). Methods that only make sense on a GPU (streams,
 events, memory statistics) do the CPU's equivalent: nothing, or zero.
 """
 
@@ -14,6 +14,8 @@ import functools
 import os
 
 import torch
+
+from shardspeed.accelerator.device import has_cuda
 
 __all__ = ["DeviceAccelerator", "current", "set_current"]
 
@@ -198,8 +200,6 @@ def current() -> DeviceAccelerator:
     the CPU."""
     if _chosen:
         return _chosen[0]
-    from shardspeed.accelerator import has_cuda
-
     return _for("cuda" if has_cuda() else "cpu")
 
 

@@ -17,27 +17,11 @@ from torch.distributed import (
     new_group,
 )
 
+from shardspeed.comm import ops
 from shardspeed.comm.discovery import ProcessInfo, discover
 from shardspeed.comm.init import init_distributed
 from shardspeed.comm.logger import configure, log_summary
-from shardspeed.comm.ops import (
-    all_gather,
-    all_gather_into_tensor,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    broadcast,
-    gather,
-    irecv,
-    isend,
-    recv,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_tensor,
-    scatter,
-    send,
-)
+from shardspeed.comm.ops import *  # noqa: F403  (the collectives: ops.__all__ is their one list)
 
 
 def is_initialized() -> bool:
@@ -68,38 +52,25 @@ def get_world_group():
     return dist.group.WORLD
 
 
+# The facade's names: what this module adds, and the collectives of ops.py (listed there once).
 __all__ = [
     "ProcessInfo",
     "ReduceOp",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
     "broadcast_object_list",
     "configure",
     "destroy_process_group",
     "discover",
-    "gather",
     "get_global_rank",
     "get_local_rank",
     "get_rank",
     "get_world_group",
     "get_world_size",
     "init_distributed",
-    "irecv",
     "is_available",
     "is_initialized",
-    "isend",
     "log_summary",
     "monitored_barrier",
     "new_group",
-    "recv",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "send",
 ]
+__all__ += ops.__all__
+__all__.sort()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import functools
 import json
 import types
@@ -27,7 +26,7 @@ import typing
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from .errors import ConfigError
+from .errors import ConfigError, closest_name
 
 __all__ = ["BuildContext", "ConfigWarning", "Key", "build_block", "join", "show"]
 
@@ -197,10 +196,10 @@ def _canonical_name(schema: _Schema, key: Any, data: dict, path: str, ctx: Build
 
 def _unknown_key_message(schema: _Schema, key: Any, path: str) -> str:
     candidates = {name: name for name in schema.hints} | schema.aliases
-    close = difflib.get_close_matches(str(key), list(candidates), n=1, cutoff=0.6)
+    close = closest_name(str(key), candidates)
     where = f"'{key}' at top level" if not path else f"'{join(path, str(key))}'"
     if close:
-        return f"unknown key {where}; did you mean '{join(path, candidates[close[0]])}'?"
+        return f"unknown key {where}; did you mean '{join(path, candidates[close])}'?"
     if not path:
         return f"unknown key {where}: not a DeepSpeed/shardspeed config key"
     return f"unknown key {where}; valid keys in '{path}' are: {', '.join(sorted(schema.hints))}"

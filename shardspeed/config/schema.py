@@ -28,7 +28,7 @@ from .blocks import (
     TorchAutocastConfig,
 )
 from .build import Key
-from .compression import CompressionTrainingConfig
+from .compression_blocks import CompressionTrainingConfig
 from .features import (
     ActivationCheckpointingConfig,
     AioConfig,

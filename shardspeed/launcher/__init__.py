@@ -15,6 +15,7 @@ Nothing here imports torch at module level: the launcher starts before any rank 
 
 from __future__ import annotations
 
+import os
 import sys
 
 from shardspeed.utils.logging import make_logger
@@ -26,4 +27,19 @@ class LauncherError(ValueError):
 
 log = make_logger("shardspeed.launcher", "shardspeed launcher", sys.stderr)
 
-__all__ = ["LauncherError", "log"]
+
+# Here, beside the error type, because both entry points end with it: the `shardspeed` command (runner)
+# and the per-node launcher (launch), which must not import each other.
+def fast_exit(code: int) -> int:
+    """Exit now, skipping interpreter teardown.
+
+    `import shardspeed` loads torch, whose teardown takes ~0.3 s; the job is over and every child has
+    been reaped, so nothing is lost and a failure reaches the caller (or the runner, for a remote
+    per-node launcher) that much sooner.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+__all__ = ["LauncherError", "fast_exit", "log"]

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from shardspeed.launcher import LauncherError
+from shardspeed.launcher import LauncherError, fast_exit
 from shardspeed.launcher.hostfile import Resources, decode_world_info, parse_core_list
 from shardspeed.launcher.supervise import Supervisor, Worker
 
@@ -235,6 +235,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from shardspeed.launcher.runner import fast_exit
-
     fast_exit(main())

@@ -18,7 +18,7 @@ import shlex
 import socket
 import sys
 
-from shardspeed.launcher import LauncherError, log
+from shardspeed.launcher import LauncherError, fast_exit, log
 from shardspeed.launcher.env import exported_env, read_env_files
 from shardspeed.launcher.hostfile import (
     Resources,
@@ -326,18 +326,6 @@ def main(argv: list[str] | None = None, *, args: list[str] | None = None) -> int
         print("shardspeed: interrupted", file=sys.stderr)
         code = 130
     return fast_exit(code) if as_command else code
-
-
-def fast_exit(code: int) -> int:
-    """Exit now, skipping interpreter teardown.
-
-    `import shardspeed` loads torch, whose teardown takes ~0.3 s; the job is over and every child has
-    been reaped, so nothing is lost and a failure reaches the caller (or the runner, for a remote
-    per-node launcher) that much sooner.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from shardspeed.monitor.monitor import Event
+from shardspeed.monitor.base import Event, Monitor
 
 __all__ = ["CometMonitor"]
 
 
-class CometMonitor:
+class CometMonitor(Monitor):
     def __init__(self, block):
         try:
             import comet_ml

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import os
 
-from shardspeed.monitor.monitor import Event
+from shardspeed.monitor.base import Event, Monitor
 
 __all__ = ["CsvMonitor", "csv_path"]
 
@@ -15,7 +15,7 @@ def csv_path(log_dir: str, name: str) -> str:
     return os.path.join(log_dir, name.replace("/", "_") + ".csv")
 
 
-class CsvMonitor:
+class CsvMonitor(Monitor):
     def __init__(self, block):
         # the block's settings under DeepSpeed's attribute names (code reads monitor.enabled, .job_name)
         self.enabled, self.output_path, self.job_name = block.enabled, block.output_path, block.job_name

@@ -7,27 +7,10 @@ off imports nothing and writes nothing.
 
 from __future__ import annotations
 
-from typing import Protocol
+from shardspeed.monitor.base import Event, Monitor, missing_extra
 
+# Event, Monitor and missing_extra are base.py's, still importable here (their first home).
 __all__ = ["Event", "Monitor", "MonitorMaster", "missing_extra"]
-
-Event = tuple[str, float, int]
-
-
-class Monitor(Protocol):
-    """A backend: writes a batch of events, flushes, closes."""
-
-    def write_events(self, events: list[Event]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def missing_extra(block: str, package: str, extra: str) -> ImportError:
-    """The error for an enabled monitor whose optional package is not installed."""
-    return ImportError(
-        f"{block}.enabled is true but the '{package}' package is not installed; "
-        f"install it with: pip install 'shardspeed[{extra}]'"
-    )
 
 
 class MonitorMaster:

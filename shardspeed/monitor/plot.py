@@ -9,8 +9,8 @@ import argparse
 import csv
 import os
 
+from shardspeed.monitor.base import missing_extra
 from shardspeed.monitor.csv_monitor import csv_path
-from shardspeed.monitor.monitor import missing_extra
 
 __all__ = ["main", "plot_training_curves", "read_series"]
 

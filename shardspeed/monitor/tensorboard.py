@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 
-from shardspeed.monitor.monitor import Event, missing_extra
+from shardspeed.monitor.base import Event, Monitor, missing_extra
 
 __all__ = ["TensorBoardMonitor"]
 
 
-class TensorBoardMonitor:
+class TensorBoardMonitor(Monitor):
     def __init__(self, block):
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 
-from shardspeed.monitor.monitor import Event, missing_extra
+from shardspeed.monitor.base import Event, Monitor, missing_extra
 
 __all__ = ["WandbMonitor"]
 
 
-class WandbMonitor:
+class WandbMonitor(Monitor):
     def __init__(self, block):
         try:
             import wandb

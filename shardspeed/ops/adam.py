@@ -14,11 +14,13 @@ import math
 import torch
 
 from shardspeed.optimizers._impl import (
-    UnsupportedOptionError,
-    can_use_fused,
+    GradNoneByDefault,
+    HalfGroupsStep,
     check_betas,
-    copy_to_half_groups,
+    kernel_choice,
     materialize,
+    refuse_amsgrad,
+    run_closure,
     state_dtype,
     working_copies,
     write_back,
@@ -31,10 +33,8 @@ class _TorchBackedAdam(torch.optim.Adam):
     """torch's Adam/AdamW plus DeepSpeed's `bias_correction` and fp32 optimizer states."""
 
     def __init__(self, params, *, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw, fp32_states):
-        if amsgrad:
-            raise UnsupportedOptionError(f"{type(self).__name__} does not support the AMSGrad variant.")
+        refuse_amsgrad(amsgrad, type(self).__name__)
         params = materialize(params)
-        kernel = {"fused": True} if can_use_fused(params) else {"foreach": True}
         super().__init__(
             params,
             lr=lr,
@@ -42,7 +42,7 @@ class _TorchBackedAdam(torch.optim.Adam):
             eps=eps,
             weight_decay=weight_decay,
             decoupled_weight_decay=adamw,
-            **kernel,
+            **kernel_choice(params),
         )
         self.defaults["bias_correction"] = bias_correction
         for group in self.param_groups:
@@ -62,10 +62,7 @@ class _TorchBackedAdam(torch.optim.Adam):
     def step(self, closure=None):
         if not self._needs_own_update():
             return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             self._own_update(group)
         return loss
@@ -113,7 +110,7 @@ class _TorchBackedAdam(torch.optim.Adam):
         write_back(params, work)
 
 
-class FusedAdam(_TorchBackedAdam):
+class FusedAdam(GradNoneByDefault, _TorchBackedAdam):
     """DeepSpeed's multi-tensor GPU Adam; here torch's fused (or foreach) Adam/AdamW on any device.
 
     `adam_w_mode=True` (default) is AdamW's decoupled weight decay, False is Adam with L2 decay added to the
@@ -146,11 +143,8 @@ class FusedAdam(_TorchBackedAdam):
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
-
-class DeepSpeedCPUAdam(_TorchBackedAdam):
+class DeepSpeedCPUAdam(HalfGroupsStep, _TorchBackedAdam):
     """DeepSpeed's SIMD CPU Adam for ZeRO-Offload; here torch's fused CPU Adam/AdamW (the same math).
 
     `adamw_mode=True` (default) is AdamW. `fp32_optimizer_states=True` (default) keeps `exp_avg` and
@@ -181,11 +175,3 @@ class DeepSpeedCPUAdam(_TorchBackedAdam):
             fp32_states=fp32_optimizer_states,
         )
         self.adam_w_mode = adamw_mode
-
-    @torch.no_grad()
-    def step(self, closure=None, fp16_param_groups=None):
-        """One Adam step; `fp16_param_groups` (DeepSpeed's argument) receives a copy of the new values."""
-        loss = super().step(closure)
-        if fp16_param_groups is not None:
-            copy_to_half_groups(self.param_groups, fp16_param_groups)
-        return loss

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardspeed.optimizers._impl import UnsupportedOptionError
+from shardspeed.optimizers._impl import refuse_amsgrad
 from shardspeed.optimizers.lamb import Lamb
 from shardspeed.utils.logging import logger
 
@@ -31,8 +31,7 @@ class FusedLamb(Lamb):
         min_coeff=0.01,
         amsgrad=False,
     ):
-        if amsgrad:
-            raise UnsupportedOptionError("FusedLamb does not support the AMSGrad variant.")
+        refuse_amsgrad(amsgrad, "FusedLamb")
         if max_grad_norm:
             logger.warning(
                 "FusedLamb: max_grad_norm=%s is ignored; use the config's top-level gradient_clipping",

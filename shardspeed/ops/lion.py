@@ -5,15 +5,13 @@ DeepSpeed's classes default to `betas=(0.9, 0.999)` (not the paper's 0.99); thes
 
 from __future__ import annotations
 
-import torch
-
-from shardspeed.optimizers._impl import copy_to_half_groups
+from shardspeed.optimizers._impl import GradNoneByDefault, HalfGroupsStep
 from shardspeed.optimizers.lion import Lion
 
 __all__ = ["DeepSpeedCPULion", "FusedLion"]
 
 
-class FusedLion(Lion):
+class FusedLion(GradNoneByDefault, Lion):
     """DeepSpeed's GPU Lion; here the foreach implementation of `Lion` on any device.
 
     `set_grad_none` (default True) makes `zero_grad()` set gradients to None rather than zero them.
@@ -23,11 +21,8 @@ class FusedLion(Lion):
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
-
-class DeepSpeedCPULion(Lion):
+class DeepSpeedCPULion(HalfGroupsStep, Lion):
     """DeepSpeed's SIMD CPU Lion (ZeRO-Offload); here `Lion` on the parameters' own device.
 
     `fp32_optimizer_states` (default True) keeps the momentum in fp32 for fp16/bf16 parameters.
@@ -41,11 +36,3 @@ class DeepSpeedCPULion(Lion):
             weight_decay=weight_decay,
             fp32_optimizer_states=fp32_optimizer_states,
         )
-
-    @torch.no_grad()
-    def step(self, closure=None, fp16_param_groups=None):
-        """One Lion step; `fp16_param_groups` (DeepSpeed's argument) receives a copy of the new values."""
-        loss = super().step(closure)
-        if fp16_param_groups is not None:
-            copy_to_half_groups(self.param_groups, fp16_param_groups)
-        return loss

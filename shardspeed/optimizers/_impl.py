@@ -1,9 +1,10 @@
-"""Shared helpers for the optimizers: choosing torch's fused or foreach kernels, and low-precision params
-updated through fp32 working copies."""
+"""Shared helpers for the optimizers: choosing torch's fused or foreach kernels, low-precision params
+updated through fp32 working copies, and what every DeepSpeed-named class in `shardspeed.ops` adds to its
+backing optimizer (the AMSGrad refusal, `set_grad_none`, `step(closure, fp16_param_groups)`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -54,6 +55,29 @@ def can_use_fused(param_groups: Iterable[Any], devices: tuple[str, ...] | None =
     return bool(tensors) and all(
         t.is_floating_point() and not t.is_sparse and t.device.type in devices for t in tensors
     )
+
+
+def kernel_choice(param_groups: Iterable[Any], devices: tuple[str, ...] | None = None) -> dict[str, bool]:
+    """torch's `fused=True` where `can_use_fused` allows it, else `foreach=True`: the keyword to pass to a
+    torch optimizer's constructor."""
+    return {"fused": True} if can_use_fused(param_groups, devices) else {"foreach": True}
+
+
+def run_closure(closure: Callable[[], float] | None) -> Any:
+    """The loss from `closure` (run with gradients on, as torch's optimizers do), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def params_with_grads(group: dict, optimizer_name: str) -> list[torch.Tensor]:
+    """The params of `group` that have a gradient; RuntimeError for a sparse one (the foreach update is dense)."""
+    params = [p for p in group["params"] if p.grad is not None]
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{optimizer_name} does not support sparse gradients")
+    return params
 
 
 def working_copies(tensors: list[torch.Tensor], dtype_of: list[torch.dtype]) -> list[torch.Tensor]:
@@ -107,3 +131,39 @@ def copy_to_half_groups(param_groups: list[dict], half_groups) -> None:
 class UnsupportedOptionError(ValueError, RuntimeError):
     """An option DeepSpeed's optimizer refuses too (amsgrad). Both a ValueError and a RuntimeError, so code
     written against either of DeepSpeed's exception types keeps catching it."""
+
+
+def refuse_amsgrad(amsgrad: bool, optimizer_name: str) -> None:
+    """DeepSpeed's optimizers refuse `amsgrad=True`; so do their shardspeed twins, with DeepSpeed's words."""
+    if amsgrad:
+        raise UnsupportedOptionError(f"{optimizer_name} does not support the AMSGrad variant.")
+
+
+# --- what DeepSpeed's classes add to their backing optimizer: mixins placed before it in the bases ---------
+
+
+class GradNoneByDefault:
+    """DeepSpeed's `set_grad_none` (the GPU classes: default True): `zero_grad()` without an argument sets
+    gradients to None when it is true, zeroes them otherwise. The subclass sets `self.set_grad_none`."""
+
+    set_grad_none: bool = True
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+
+class HalfGroupsStep:
+    """DeepSpeed's CPU classes' `step(closure=None, fp16_param_groups=None)`: the update of the backing
+    optimizer, then a copy of the new values into `fp16_param_groups` when given. A subclass that changes
+    how the backing update runs overrides `_backing_step`, keeping this one signature."""
+
+    @torch.no_grad()
+    def step(self, closure=None, fp16_param_groups=None):
+        """One step; `fp16_param_groups` (DeepSpeed's argument) receives a copy of the new values."""
+        loss = self._backing_step(closure)
+        if fp16_param_groups is not None:
+            copy_to_half_groups(self.param_groups, fp16_param_groups)
+        return loss
+
+    def _backing_step(self, closure):
+        return super().step(closure)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardspeed.optimizers._impl import check_betas, check_non_negative
+from shardspeed.optimizers._impl import check_betas, check_non_negative, params_with_grads, run_closure
 
 
 class Lamb(torch.optim.Optimizer):
@@ -63,22 +63,17 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self._last_trust_ratios = []
         for group in self.param_groups:
             self._update_group(group)
         return loss
 
     def _update_group(self, group: dict) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+        params = params_with_grads(group, "Lamb")
         if not params:
             return
         for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("Lamb does not support sparse gradients")
             state = self.state[p]
             if not state:
                 state["step"] = 0

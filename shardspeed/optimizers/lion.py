@@ -18,6 +18,8 @@ import torch
 from shardspeed.optimizers._impl import (
     check_betas,
     check_non_negative,
+    params_with_grads,
+    run_closure,
     state_dtype,
     working_copies,
     write_back,
@@ -47,21 +49,16 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             self._update_group(group)
         return loss
 
     def _update_group(self, group: dict) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+        params = params_with_grads(group, "Lion")
         if not params:
             return
         for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("Lion does not support sparse gradients")
             state = self.state[p]
             if not state:
                 state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p, self.fp32_optimizer_states))

@@ -17,15 +17,27 @@ Differences from DeepSpeed, on purpose (docs/compatibility.md):
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import inspect
 import math
 from typing import Any
 
 import torch
 
 from shardspeed.config.errors import ConfigError
+from shardspeed.runtime.lr_schedule_args import (  # the public ones re-exported under DeepSpeed's path
+    PARAMS_KEY,
+    WARMUP_LINEAR_RATE,  # noqa: F401
+    WARMUP_LOG_RATE,
+    add_tuning_arguments,
+    as_integer,
+    as_number,
+    check_params,
+    find_schedule,
+    get_config_from_args,
+    per_group,
+    unwrap_optimizer,
+    warmup_fraction,
+    warmup_type_or_log,
+)
 from shardspeed.utils.logging import logger
 
 __all__ = [
@@ -40,57 +52,6 @@ __all__ = [
     "get_config_from_args",
 ]
 
-WARMUP_LOG_RATE = "log"
-WARMUP_LINEAR_RATE = "linear"
-_KEY = "scheduler.params"
-
-
-# --- argument checks: every bad value is a ConfigError naming scheduler.params.<name> -----------------
-
-
-def _number(name: str, value: Any, *, minimum: float | None = 0.0, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{_KEY}.{name}: expected a number, got {value!r}")
-    if positive and not value > 0:
-        raise ConfigError(f"{_KEY}.{name}: must be > 0, got {value!r}")
-    if minimum is not None and not value >= minimum:
-        raise ConfigError(f"{_KEY}.{name}: must be >= {minimum}, got {value!r}")
-    return float(value)
-
-
-def _integer(name: str, value: Any, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ConfigError(f"{_KEY}.{name}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{_KEY}.{name}: must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _per_group(optimizer: torch.optim.Optimizer, name: str, value: Any) -> list[float]:
-    """A scalar repeated for every param group, or a list with one value per group."""
-    groups = len(optimizer.param_groups)
-    if isinstance(value, (list, tuple)):
-        if len(value) != groups:
-            raise ConfigError(
-                f"{_KEY}.{name}: expected {groups} values (one per param group), got {len(value)}"
-            )
-        return [_number(f"{name}[{i}]", v) for i, v in enumerate(value)]
-    return [_number(name, value)] * groups
-
-
-def _warmup_type(value: Any) -> str:
-    if value in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
-        return value
-    logger.warning(f"{_KEY}.warmup_type: unknown warmup_type {value!r}; using 'log' (as DeepSpeed does)")
-    return WARMUP_LOG_RATE
-
-
-def _warmup_fraction(warmup_type: str, t: int, warmup_steps: int) -> float:
-    """How far warm-up has got at iteration t (< warmup_steps): ln(t+1)/ln(W) or t/W."""
-    if warmup_type == WARMUP_LOG_RATE:
-        return math.log(t + 1) / math.log(warmup_steps)
-    return t / warmup_steps
-
 
 def _stair(fraction: float, stairs: int | None) -> float:
     """`fraction` (0..1 of a half cycle) held flat over `stairs` equal steps (0 or None: continuous). The
@@ -98,20 +59,6 @@ def _stair(fraction: float, stairs: int | None) -> float:
     if not stairs:
         return fraction
     return math.floor(fraction * stairs + 1e-9) / stairs
-
-
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer itself, looking through a wrapper that exposes it as `.optimizer`."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        return inner
-    if hasattr(optimizer, "param_groups"):
-        return optimizer
-    raise TypeError(
-        f"{type(optimizer).__name__} is not a torch.optim.Optimizer (nor wraps one as .optimizer)"
-    )
 
 
 # --- the schedules ------------------------------------------------------------------------------------
@@ -122,7 +69,7 @@ class _Schedule:
 
     def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
         self.optimizer = unwrap_optimizer(optimizer)
-        self.last_batch_iteration = _integer("last_batch_iteration", last_batch_iteration, minimum=-1)
+        self.last_batch_iteration = as_integer("last_batch_iteration", last_batch_iteration, minimum=-1)
         self._last_lr: list[float] = []
 
     def get_lr(self) -> list[float]:
@@ -171,9 +118,9 @@ class LRRangeTest(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.min_lr = _per_group(self.optimizer, "lr_range_test_min_lr", lr_range_test_min_lr)
-        self.step_size = _number("lr_range_test_step_size", lr_range_test_step_size, positive=True)
-        self.step_rate = _number("lr_range_test_step_rate", lr_range_test_step_rate)
+        self.min_lr = per_group(self.optimizer, "lr_range_test_min_lr", lr_range_test_min_lr)
+        self.step_size = as_number("lr_range_test_step_size", lr_range_test_step_size, positive=True)
+        self.step_rate = as_number("lr_range_test_step_rate", lr_range_test_step_rate)
         self.staircase = bool(lr_range_test_staircase)
         self._apply()
 
@@ -212,22 +159,22 @@ class OneCycle(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        first = _number("cycle_first_step_size", cycle_first_step_size, positive=True)
+        first = as_number("cycle_first_step_size", cycle_first_step_size, positive=True)
         second = first if cycle_second_step_size is None else cycle_second_step_size
-        second = _number("cycle_second_step_size", second)
+        second = as_number("cycle_second_step_size", second)
         self.total_size = first + second
         self.step_ratio = first / self.total_size
         self.first_stair_count = cycle_first_stair_count
         self.second_stair_count = (
             cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
         )
-        self.decay_step_size = _number("decay_step_size", decay_step_size)
-        self.min_lrs = _per_group(self.optimizer, "cycle_min_lr", cycle_min_lr)
-        self.max_lrs = _per_group(self.optimizer, "cycle_max_lr", cycle_max_lr)
-        self.decay_lr_rate = _number("decay_lr_rate", decay_lr_rate, minimum=None)
-        self.min_moms = _per_group(self.optimizer, "cycle_min_mom", cycle_min_mom)
-        self.max_moms = _per_group(self.optimizer, "cycle_max_mom", cycle_max_mom)
-        self.decay_mom_rate = _number("decay_mom_rate", decay_mom_rate, minimum=None)
+        self.decay_step_size = as_number("decay_step_size", decay_step_size)
+        self.min_lrs = per_group(self.optimizer, "cycle_min_lr", cycle_min_lr)
+        self.max_lrs = per_group(self.optimizer, "cycle_max_lr", cycle_max_lr)
+        self.decay_lr_rate = as_number("decay_lr_rate", decay_lr_rate, minimum=None)
+        self.min_moms = per_group(self.optimizer, "cycle_min_mom", cycle_min_mom)
+        self.max_moms = per_group(self.optimizer, "cycle_max_mom", cycle_max_mom)
+        self.decay_mom_rate = as_number("decay_mom_rate", decay_mom_rate, minimum=None)
         self.skip_lr_decay = self.decay_step_size == 0 or self.decay_lr_rate == 0
         self.skip_mom_decay = self.decay_step_size == 0 or self.decay_mom_rate == 0
         self.momentum_key = self._momentum_key() if cycle_momentum else None
@@ -316,11 +263,11 @@ class WarmupLR(_Schedule):
         super().__init__(optimizer, last_batch_iteration)
         if warmup_max_lr is None:  # DeepSpeed 0.19: each group warms up to its own lr
             warmup_max_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
-        self.min_lrs = _per_group(self.optimizer, "warmup_min_lr", warmup_min_lr)
-        self.max_lrs = _per_group(self.optimizer, "warmup_max_lr", warmup_max_lr)
+        self.min_lrs = per_group(self.optimizer, "warmup_min_lr", warmup_min_lr)
+        self.max_lrs = per_group(self.optimizer, "warmup_max_lr", warmup_max_lr)
         self.delta_lrs = [hi - lo for lo, hi in zip(self.min_lrs, self.max_lrs)]
-        self.warmup_num_steps = max(2, _integer("warmup_num_steps", warmup_num_steps))
-        self.warmup_type = _warmup_type(warmup_type)
+        self.warmup_num_steps = max(2, as_integer("warmup_num_steps", warmup_num_steps))
+        self.warmup_type = warmup_type_or_log(warmup_type)
         self._setup()
         self._apply()
 
@@ -329,7 +276,7 @@ class WarmupLR(_Schedule):
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
-            return _warmup_fraction(self.warmup_type, self.last_batch_iteration, self.warmup_num_steps)
+            return warmup_fraction(self.warmup_type, self.last_batch_iteration, self.warmup_num_steps)
         return 1.0
 
     def get_lr(self) -> list[float]:
@@ -352,7 +299,7 @@ class WarmupDecayLR(WarmupLR):
         warmup_type: str = WARMUP_LOG_RATE,
         last_batch_iteration: int = -1,
     ) -> None:
-        self.total_num_steps = _integer("total_num_steps", total_num_steps, minimum=1)
+        self.total_num_steps = as_integer("total_num_steps", total_num_steps, minimum=1)
         super().__init__(
             optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration
         )
@@ -367,7 +314,7 @@ class WarmupDecayLR(WarmupLR):
     def _gamma(self) -> float:
         t = self.last_batch_iteration
         if t < self.warmup_num_steps:
-            return _warmup_fraction(self.warmup_type, t, self.warmup_num_steps)
+            return warmup_fraction(self.warmup_type, t, self.warmup_num_steps)
         return max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
@@ -387,11 +334,11 @@ class WarmupCosineLR(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.total_num_steps = _integer("total_num_steps", total_num_steps, minimum=1)
-        self.warmup_min_ratio = _number("warmup_min_ratio", warmup_min_ratio)
-        self.warmup_num_steps = max(2, _integer("warmup_num_steps", warmup_num_steps))
-        self.cos_min_ratio = _number("cos_min_ratio", cos_min_ratio)
-        self.warmup_type = _warmup_type(warmup_type)
+        self.total_num_steps = as_integer("total_num_steps", total_num_steps, minimum=1)
+        self.warmup_min_ratio = as_number("warmup_min_ratio", warmup_min_ratio)
+        self.warmup_num_steps = max(2, as_integer("warmup_num_steps", warmup_num_steps))
+        self.cos_min_ratio = as_number("cos_min_ratio", cos_min_ratio)
+        self.warmup_type = warmup_type_or_log(warmup_type)
         if self.total_num_steps < self.warmup_num_steps:
             logger.warning(
                 f"WarmupCosineLR: total_num_steps {self.total_num_steps} is less than "
@@ -405,7 +352,7 @@ class WarmupCosineLR(_Schedule):
         if t < 0:
             return self.warmup_min_ratio
         if t < self.warmup_num_steps:
-            fraction = _warmup_fraction(self.warmup_type, t, self.warmup_num_steps)
+            fraction = warmup_fraction(self.warmup_type, t, self.warmup_num_steps)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * fraction
         progress = (t - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps)
         cosine = (1.0 + math.cos(math.pi * min(1.0, progress))) / 2.0
@@ -430,177 +377,18 @@ _DEEPSPEED_SCHEDULES = {
 }
 
 
-# --- building from config -----------------------------------------------------------------------------
-
-
-def _torch_schedules() -> dict[str, type]:
-    module = torch.optim.lr_scheduler
-    bases = (module.LRScheduler, module.ReduceLROnPlateau)
-    hidden = {"LRScheduler", "_LRScheduler"}
-    return {
-        name: obj
-        for name, obj in vars(module).items()
-        if isinstance(obj, type)
-        and issubclass(obj, bases)
-        and name not in hidden
-        and not name.startswith("_")
-    }
-
-
-def _find_schedule(type_name: Any) -> type:
-    if not isinstance(type_name, str) or not type_name:
-        raise ConfigError(f"scheduler.type: expected a schedule name, got {type_name!r}")
-    if type_name.lower() in _DEEPSPEED_SCHEDULES:
-        return _DEEPSPEED_SCHEDULES[type_name.lower()]
-    torch_schedules = _torch_schedules()
-    if type_name in torch_schedules:
-        return torch_schedules[type_name]
-    folded = {name.lower(): cls for name, cls in torch_schedules.items()}
-    if type_name.lower() in folded:
-        return folded[type_name.lower()]
-    names = VALID_LR_SCHEDULES + sorted(torch_schedules)
-    close = difflib.get_close_matches(type_name, names, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(
-        f"scheduler.type: unknown schedule {type_name!r}{hint} Valid: DeepSpeed's {', '.join(VALID_LR_SCHEDULES)} "
-        "or any torch.optim.lr_scheduler class"
-    )
-
-
-def _check_params(cls: type, params: dict[str, Any]) -> None:
-    signature = inspect.signature(cls.__init__)
-    arguments = [p for p in list(signature.parameters.values())[2:] if p.kind is not p.VAR_POSITIONAL]
-    if any(p.kind is p.VAR_KEYWORD for p in arguments):
-        return
-    accepted = [p.name for p in arguments]
-    for key in params:
-        if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                f"{_KEY}.{key}: not a parameter of {cls.__name__}; {hint}accepted: {', '.join(accepted)}"
-            )
-    missing = [p.name for p in arguments if p.default is p.empty and p.name not in params]
-    if missing:
-        raise ConfigError(f"{_KEY}.{missing[0]}: required by {cls.__name__} but not given")
-
-
 def build_lr_scheduler(type_name: str, params: dict[str, Any] | None, optimizer: Any):
     """The schedule named by the config's `scheduler.type` with `scheduler.params`, over `optimizer`
     (a torch optimizer or a wrapper exposing one as `.optimizer`). DeepSpeed's schedule names are matched
     case-insensitively first, then `torch.optim.lr_scheduler` classes (exact name, then any case)."""
-    cls = _find_schedule(type_name)
+    cls = find_schedule(type_name, _DEEPSPEED_SCHEDULES)
     if params is not None and not isinstance(params, dict):
         raise ConfigError(f"scheduler.params: expected an object, got {params!r}")
     params = dict(params or {})
-    _check_params(cls, params)
+    check_params(cls, params)
     if cls in _DEEPSPEED_SCHEDULES.values():
         return cls(optimizer, **params)
     try:
         return cls(unwrap_optimizer(optimizer), **params)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"{_KEY}: {cls.__name__} refused {params}: {error}") from error
-
-
-# --- command-line flags (DeepSpeed's `add_tuning_arguments`) ------------------------------------------
-
-
-def _str_to_bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "y", "on"):
-        return True
-    if lowered in ("0", "false", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
-
-
-def add_tuning_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's LR-schedule flags (`--lr_schedule`, `--lr_range_test_*`, `--cycle_*`, `--warmup_*`)."""
-    group = parser.add_argument_group("Convergence Tuning", "Convergence tuning configurations")
-    group.add_argument("--lr_schedule", type=str, default=None, help="LR schedule for training.")
-    group.add_argument("--lr_range_test_min_lr", type=float, default=0.001, help="Starting lr value.")
-    group.add_argument(
-        "--lr_range_test_step_rate", type=float, default=1.0, help="Scaling rate for LR range test."
-    )
-    group.add_argument(
-        "--lr_range_test_step_size", type=int, default=1000, help="Training steps per LR change."
-    )
-    group.add_argument(
-        "--lr_range_test_staircase",
-        type=_str_to_bool,
-        default=False,
-        help="Use staircase scaling for LR range test.",
-    )
-    group.add_argument(
-        "--cycle_first_step_size", type=int, default=1000, help="Size of first step of 1Cycle schedule."
-    )
-    group.add_argument(
-        "--cycle_first_stair_count", type=int, default=-1, help="First stair count for 1Cycle schedule."
-    )
-    group.add_argument(
-        "--cycle_second_step_size", type=int, default=-1, help="Size of second step of 1Cycle schedule."
-    )
-    group.add_argument(
-        "--cycle_second_stair_count", type=int, default=-1, help="Second stair count for 1Cycle."
-    )
-    group.add_argument(
-        "--decay_step_size", type=int, default=1000, help="Size of intervals for post-cycle decay."
-    )
-    group.add_argument("--cycle_min_lr", type=float, default=0.01, help="1Cycle LR lower bound.")
-    group.add_argument("--cycle_max_lr", type=float, default=0.1, help="1Cycle LR upper bound.")
-    group.add_argument("--decay_lr_rate", type=float, default=0.0, help="Post-cycle LR decay rate.")
-    group.add_argument(
-        "--cycle_momentum", default=False, action="store_true", help="Enable 1Cycle momentum schedule."
-    )
-    group.add_argument("--cycle_min_mom", type=float, default=0.8, help="1Cycle momentum lower bound.")
-    group.add_argument("--cycle_max_mom", type=float, default=0.9, help="1Cycle momentum upper bound.")
-    group.add_argument("--decay_mom_rate", type=float, default=0.0, help="Post-cycle momentum decay rate.")
-    group.add_argument("--warmup_min_lr", type=float, default=0, help="WarmupLR minimum/initial LR value.")
-    group.add_argument("--warmup_max_lr", type=float, default=0.001, help="WarmupLR maximum LR value.")
-    group.add_argument(
-        "--warmup_num_steps", type=int, default=1000, help="WarmupLR step count for LR warmup."
-    )
-    group.add_argument(
-        "--warmup_type", type=str, default=WARMUP_LOG_RATE, help="WarmupLR increasing function."
-    )
-    return parser
-
-
-_FLAGS_OF = {
-    "LRRangeTest": [
-        "lr_range_test_min_lr",
-        "lr_range_test_step_rate",
-        "lr_range_test_step_size",
-        "lr_range_test_staircase",
-    ],
-    "OneCycle": [
-        "cycle_first_step_size",
-        "cycle_first_stair_count",
-        "cycle_second_step_size",
-        "cycle_second_stair_count",
-        "decay_step_size",
-        "cycle_min_lr",
-        "cycle_max_lr",
-        "decay_lr_rate",
-        "cycle_momentum",
-        "cycle_min_mom",
-        "cycle_max_mom",
-        "decay_mom_rate",
-    ],
-    "WarmupLR": ["warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"],
-}
-
-
-def get_config_from_args(args: argparse.Namespace) -> tuple[dict[str, Any] | None, str | None]:
-    """`({'type': ..., 'params': {...}}, None)` from the flags of `add_tuning_arguments`, or `(None, why)`.
-    -1 (the flags' "unset") for the OneCycle second step size and stair counts means "use the default"."""
-    name = getattr(args, "lr_schedule", None)
-    if name is None:
-        return None, "--lr_schedule not specified on command line"
-    if name not in _FLAGS_OF:
-        return None, f"{name} is not supported from the command line (supported: {', '.join(_FLAGS_OF)})"
-    params = {key: getattr(args, key) for key in _FLAGS_OF[name] if hasattr(args, key)}
-    for key in ("cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count"):
-        if params.get(key) == -1:
-            del params[key]
-    return {"type": name, "params": params}, None
+        raise ConfigError(f"{PARAMS_KEY}: {cls.__name__} refused {params}: {error}") from error

@@ -20,14 +20,13 @@ otherwise; an explicit `fused`/`foreach` in the params wins.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from shardspeed.config.errors import ConfigError
+from shardspeed.config.errors import ConfigError, closest_name, refuse_unknown_keywords
 from shardspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from shardspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from shardspeed.ops.lamb import FusedLamb
@@ -154,14 +153,7 @@ def _check_keywords(cls: type, options: dict[str, Any], extra: Iterable[str] = (
     accepted = _accepted_keywords(cls)
     if accepted is None:
         return
-    accepted = sorted(set(accepted) | set(extra))
-    for key in options:
-        if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                f"{_KEY}.{key}: not a parameter of {cls.__name__}; {hint}accepted: {', '.join(accepted)}"
-            )
+    refuse_unknown_keywords(_KEY, cls.__name__, options, sorted(set(accepted) | set(extra)))
 
 
 def _check_number(key: str, value: Any) -> None:
@@ -235,10 +227,8 @@ def _torch_choice(type_name: str) -> type:
     cls = classes.get(type_name) or {n.lower(): c for n, c in classes.items()}.get(type_name.lower())
     if cls is None:
         names = [*DEEPSPEED_OPTIMIZERS, *sorted(classes)]
-        close = difflib.get_close_matches(type_name, names, n=1, cutoff=0.5) or difflib.get_close_matches(
-            type_name.lower(), [n.lower() for n in names], n=1, cutoff=0.5
-        )
-        hint = f"; did you mean {close[0]!r}?" if close else "."
+        close = closest_name(type_name, names, 0.5, any_case=True)
+        hint = f"; did you mean {close!r}?" if close else "."
         raise ConfigError(
             f"optimizer.type: unknown optimizer {type_name!r}{hint} Valid: {', '.join(DEEPSPEED_OPTIMIZERS)} "
             "or any torch.optim class"
