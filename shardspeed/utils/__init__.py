@@ -1,4 +1,4 @@
-"""Small helpers shared across the package (logging, process groups, z3 leaf marks, ...).
+"""Small helpers shared across the package (logging, z3 leaf-module marks, OnDevice).
 
 DeepSpeed's `deepspeed.utils` names that live elsewhere in shardspeed (`safe_get_full_grad`, `logger`,
 `RepeatingLoader`, ...) come from the path table (shardspeed/compat/paths.py); nothing heavy is imported
