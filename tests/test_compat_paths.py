@@ -8,6 +8,7 @@ DeepSpeedConfig, partitioning helpers).
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 import types
@@ -60,6 +61,34 @@ def test_every_table_entry_resolves_to_its_target_or_a_named_stand_in():
         else:
             assert obj is importlib.import_module(target), path
         assert resolve(path) is obj, path
+
+
+def test_table_entries_name_where_a_class_or_function_is_defined():
+    """One hop: an entry names the module that defines the object, not one that re-exports it."""
+    hops = []
+    for path, target in PATHS.items():
+        if isinstance(target, str) and ":" in target and target.startswith("shardspeed."):
+            module_name, attribute = target.split(":")
+            obj = getattr(importlib.import_module(module_name), attribute)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                hops += (
+                    [f"{path}: {target} is defined in {obj.__module__}"]
+                    if obj.__module__ != module_name
+                    else []
+                )
+    assert hops == []
+
+
+def test_library_modules_never_import_the_mirrors():
+    """compat/mirrors exists only for DeepSpeed's paths: the library reaches none of it except through the table."""
+    root = Path(shardspeed.__file__).parent
+    importers = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if "compat" not in path.relative_to(root).parts
+        and "compat.mirrors" in path.read_text(encoding="utf-8")
+    ]
+    assert importers == []
 
 
 def test_every_public_name_of_deepspeed_0_19_8_resolves():
