@@ -30,7 +30,7 @@ from torch import nn
 
 from shardspeed.core.partitioned import logical_numel
 from shardspeed.utils.logging import logger
-from shardspeed.zero.param_units import LiveNumel, ParamUnit, plan_units
+from shardspeed.zero.param_units import LiveNumel, ParamUnit, UnitState, plan_units
 
 
 def _output_tensors(output) -> list[torch.Tensor]:
@@ -144,7 +144,7 @@ class Stage3Coordinator:
             self.stack.pop()
             for unit in units:
                 unit.refs -= 1
-                if unit.refs == 0 and not unit.awaiting_grads:
+                if unit.idle:
                     self._release_after_forward(unit)
             if torch.is_grad_enabled() and units:
                 for tensor in _output_tensors(output):
@@ -155,10 +155,9 @@ class Stage3Coordinator:
     def _make_pre_backward(self, units: list[ParamUnit]):
         def pre_backward(grad):
             for unit in units:
-                if not unit.gathered or unit._work is not None:
-                    unit.gather(for_training=True)
+                unit.gather(for_training=True)  # if released; waits on a gather in flight; else nothing
                 if unit.group_index is not None:  # frozen units wait for end_of_backward instead
-                    unit.awaiting_grads = True
+                    unit.expect_gradients()
             self._prefetch_after(units[0], step=-1)
             return grad
 
@@ -186,19 +185,19 @@ class Stage3Coordinator:
 
     def _free_lingering(self, keep: ParamUnit) -> None:
         lingering, self._lingering = self._lingering, None
-        if lingering is not None and lingering is not keep and _idle(lingering):
+        if lingering is not None and lingering is not keep and lingering.idle:
             lingering.free()
 
     def _make_room(self, numel: int) -> None:
         """Free units kept for backward, those needed last first, until `numel` more elements fit."""
         while self._kept and self.live.numel + numel > self.max_live_numel:
             unit = self._kept.pop(0)
-            if _idle(unit):
+            if unit.idle:
                 unit.free()
 
     def _acquire(self, unit: ParamUnit) -> None:
         self._free_lingering(keep=unit)
-        if not unit.gathered and not unit.persistent:
+        if unit.state is UnitState.RELEASED and not unit.persistent:
             self._make_room(unit.padded_numel)
         unit.gather(for_training=True)
         unit.refs += 1
@@ -231,7 +230,7 @@ class Stage3Coordinator:
             if ahead and ahead + upcoming.padded_numel > self.prefetch_numel:
                 return
             ahead += upcoming.padded_numel
-            if not upcoming.gathered:
+            if upcoming.state is UnitState.RELEASED:
                 if self.live.numel + upcoming.padded_numel > self.max_live_numel:
                     return
                 upcoming.gather(async_op=True, for_training=True)
@@ -240,7 +239,7 @@ class Stage3Coordinator:
 
     def on_unit_grads_staged(self, unit: ParamUnit) -> None:
         """Called by the gradient reducer once a unit's gradients are all staged for reduction."""
-        unit.awaiting_grads = False
+        unit.gradients_done()
         if unit.refs == 0 and not unit.has_frozen:
             unit.free()
 
@@ -248,7 +247,7 @@ class Stage3Coordinator:
         """Release everything still gathered (unused parameters, frozen ones, wrong prefetch guesses)."""
         self._lingering, self._kept = None, []
         for unit in self.units:
-            unit.awaiting_grads = False
+            unit.gradients_done()
             if unit.refs == 0:
                 unit.free()
         if self.log_order_changes and self.order and self._this_step and self._this_step != self.order:
@@ -278,7 +277,7 @@ class Stage3Coordinator:
         self._lingering, self._kept = None, []
         for unit in self.units:
             if unit.refs == 0:
-                unit.awaiting_grads = False
+                unit.gradients_done()
                 unit.free()
 
     def remove_hooks(self) -> None:
@@ -299,11 +298,6 @@ class Stage3Coordinator:
                 f"destroy(): {on_disk} parameter units offloaded to NVMe are not gathered into the module; "
                 "save_checkpoint() or save_16bit_model() before destroy() to keep their values"
             )
-
-
-def _idle(unit: ParamUnit) -> bool:
-    """Nothing holds the unit: no module is inside its forward and its backward is not waiting for it."""
-    return unit.refs == 0 and not unit.awaiting_grads
 
 
 class _GatheringParameters(dict):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.comm.collectives import all_gather_flat, then
+from shardspeed.zero.param_units import Values
 from shardspeed.zero.zeropp.quantize import BlockLayout, dequantize, quantize
 
 __all__ = ["QuantizedHome", "WeightGather"]
@@ -51,25 +52,26 @@ class WeightGather:
         return self._layouts[id(unit)]
 
     def start(self, unit, for_training: bool):
-        """Start filling `unit.flat`. Returns (work, approximate): approximate when the values are not the
-        exact shards (quantized ones, or a secondary copy of quantized ones)."""
+        """Start filling `unit.flat`. Returns (work, values): `Values.QUANTIZED` when the values are not the
+        exact shards (quantized ones, or a secondary copy of quantized ones), else `Values.EXACT`."""
         if for_training and unit.secondary is not None:
             work = all_gather_flat(unit.flat, unit.secondary, group=self.hpz_group, async_op=True)
-            return work, unit.secondary_approximate
+            return work, unit.secondary_values
         if isinstance(unit.home, QuantizedHome):  # stored quantized: these bytes are the exact values
-            return _gather_records(unit, unit.home.records, unit.home.layout), False
+            return _gather_records(unit, unit.home.records, unit.home.layout), Values.EXACT
         if for_training and self.quantize_weights:
             layout = self.layout(unit)
             records = quantize(unit.read_shard().view(1, -1), layout, [unit.rank])
-            return _gather_records(unit, records, layout), True
-        return all_gather_flat(unit.flat, unit.read_shard(), group=unit.group, async_op=True), False
+            return _gather_records(unit, records, layout), Values.QUANTIZED
+        return all_gather_flat(unit.flat, unit.read_shard(), group=unit.group, async_op=True), Values.EXACT
 
-    def keep_secondary(self, unit) -> None:
-        """hpZ: a gathered unit being released keeps its slice of the full parameters (once per step)."""
-        if self.hpz_size > 1 and unit.secondary is None and unit.flat is not None:
-            size = unit.padded_numel // self.hpz_size
-            unit.secondary = unit.flat[self.hpz_rank * size : (self.hpz_rank + 1) * size].clone()
-            unit.secondary_approximate = unit.approximate
+    def secondary_copy(self, unit) -> torch.Tensor | None:
+        """hpZ: this rank's slice of a gathered unit's full parameters, which the unit keeps when released
+        (once per step); None without hpZ. Costs 1/h of the unit's memory until the next step."""
+        if self.hpz_size <= 1:
+            return None
+        size = unit.padded_numel // self.hpz_size
+        return unit.flat[self.hpz_rank * size : (self.hpz_rank + 1) * size].clone()
 
     def home_for_frozen(self, unit, shard: torch.Tensor):
         """Where a frozen, non-persistent unit keeps its shard between uses: int8 records with

@@ -1,0 +1,175 @@
+"""ZeRO-3 parameter units as a state machine (zero/param_units.py, [Note: stage 3 lifecycle]): the legal
+transitions, an illegal one refused by name, and `ds_status` telling the truth about the data (AVAILABLE:
+the full value is there; NOT_AVAILABLE: only the shard, the parameter is empty; INFLIGHT: a gather into the
+unit has been started and not yet waited on) after a training step and after an eval forward."""
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_ranks
+
+
+def _unit_transitions() -> dict:
+    import torch.distributed as dist
+
+    from shardspeed.zero.init import ZeroParamStatus
+    from shardspeed.zero.param_units import Awaiting, LiveNumel, ParamUnit, UnitState, UnitStateError
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    expected = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    params, names = list(layer.parameters()), [n for n, _ in layer.named_parameters()]
+    live = LiveNumel()
+    unit = ParamUnit(layer, params, names, 0, world, rank, None, False, live)
+    seen = {}
+
+    def record(label: str) -> None:
+        seen[label] = (
+            unit.state,
+            [p.ds_status for p in params],
+            [tuple(p.shape) for p in params],
+            live.numel,
+        )
+
+    record("built")
+    unit.gather(async_op=True, for_training=True)
+    record("gather started")
+    unit.wait_for_gather()
+    record("gather finished")
+    seen["values"] = all(torch.equal(p.detach(), expected[n]) for n, p in zip(names, params))
+    unit.expect_gradients()
+    seen["awaiting"] = (unit.awaiting, unit.idle)
+    unit.gradients_done()
+    seen["done"] = (unit.awaiting, unit.idle)
+    unit.free()
+    record("freed")
+    unit.free()  # a released unit stays released
+    record("freed twice")
+    unit.gather(async_op=True)
+    try:
+        unit._enter(UnitState.RELEASED)  # freeing a buffer a collective is still filling
+        seen["illegal"] = "no error"
+    except UnitStateError as err:
+        seen["illegal"] = str(err)
+    record("after the refused transition")
+    unit.free()  # waits for the gather, then releases
+    record("freed while gathering")
+
+    frozen_layer = nn.Linear(2, 2).requires_grad_(False)
+    frozen = ParamUnit(frozen_layer, list(frozen_layer.parameters()), ["w", "b"], None, world, rank, None,
+                       False, live)  # fmt: skip
+    try:
+        frozen.expect_gradients()
+        seen["frozen"] = "no error"
+    except UnitStateError as err:
+        seen["frozen"] = str(err)
+
+    persistent = ParamUnit(nn.Linear(2, 2), list(nn.Linear(2, 2).parameters()), ["w", "b"], 0, world, rank,
+                           None, True, live)  # fmt: skip
+    before = persistent.state
+    persistent.refresh()  # GATHERED -> GATHERING -> GATHERED, never counted in `live`
+    seen["persistent"] = (before, persistent.state, [p.ds_status for p in persistent.params], live.numel)
+    seen["statuses"] = (ZeroParamStatus, Awaiting)
+    return seen
+
+
+def test_unit_transitions_publish_ds_status_and_refuse_illegal_ones():
+    from shardspeed.zero.init import ZeroParamStatus as S
+    from shardspeed.zero.param_units import Awaiting, UnitState
+
+    for seen in run_ranks(_unit_transitions, 2):
+        padded = 16  # 12 + 3 elements, padded to a multiple of 2 ranks
+        empty = [(0,), (0,)]
+        assert seen["built"] == (UnitState.RELEASED, [S.NOT_AVAILABLE] * 2, empty, 0)
+        assert seen["gather started"] == (UnitState.GATHERING, [S.INFLIGHT] * 2, empty, padded)
+        assert seen["gather finished"] == (UnitState.GATHERED, [S.AVAILABLE] * 2, [(3, 4), (3,)], padded)
+        assert seen["values"]
+        assert seen["awaiting"] == (Awaiting.GRADIENTS, False)
+        assert seen["done"] == (Awaiting.NOTHING, True)
+        message = seen["illegal"]
+        assert "GATHERING -> RELEASED" in message and "weight" in message, message
+        assert seen["after the refused transition"][:2] == (UnitState.GATHERING, [S.INFLIGHT] * 2)
+        assert seen["freed"] == (UnitState.RELEASED, [S.NOT_AVAILABLE] * 2, empty, 0)
+        assert seen["freed twice"] == seen["freed"] == seen["freed while gathering"]
+        assert "NOTHING -> GRADIENTS" in seen["frozen"] and "frozen" in seen["frozen"]
+        assert seen["persistent"] == (UnitState.GATHERED, UnitState.GATHERED, [S.AVAILABLE] * 2, 0)
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _truth(engine) -> dict:
+    """Per parameter: its ds_status, whether its data agrees with it, and its unit's state."""
+    from shardspeed.zero.init import ZeroParamStatus as S
+
+    result = {}
+    for name, p in engine.module.named_parameters():
+        unit = p._shardspeed_unit
+        full = tuple(p.shape) == tuple(p.ds_shape)
+        agrees = {
+            S.AVAILABLE: full,
+            S.NOT_AVAILABLE: p.numel() == 0,
+            S.INFLIGHT: unit.state.name == "GATHERING",
+        }[p.ds_status]
+        result[name] = (p.ds_status.name, agrees, unit.state.name, full)
+    return result
+
+
+def _engine_statuses(tied: bool) -> dict:
+    import shardspeed
+
+    from models import TinyGPT, token_batches
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    torch.manual_seed(0)
+    engine, *_ = shardspeed.initialize(model=TinyGPT() if tied else _MLP(), config=config)
+    x = token_batches(1, 2)[0] if tied else torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+
+    def loss():
+        out = engine(x)
+        return out if tied else out.square().mean()
+
+    seen = {}
+    for step in range(2):
+        engine.backward(loss())
+        engine.step()
+        seen[f"after step {step}"] = _truth(engine)
+    engine.eval()
+    with torch.no_grad():
+        loss()
+    seen["after eval forward"] = _truth(engine)
+    engine.empty_partition_cache()
+    seen["after empty_partition_cache"] = _truth(engine)
+    return seen
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["mlp", "tied-gpt"])
+def test_ds_status_tells_the_truth_after_training_and_eval(tied):
+    for seen in run_ranks(_engine_statuses, 2, tied):
+        for moment, params in seen.items():
+            for name, (status, agrees, state, _) in params.items():
+                assert agrees, f"{moment}: {name} is {status} while its unit is {state}"
+        for moment in ("after step 0", "after step 1", "after empty_partition_cache"):
+            assert {s for s, *_ in seen[moment].values()} == {"NOT_AVAILABLE"}, seen[moment]
+        eval_states = {state for _, _, state, _ in seen["after eval forward"].values()}
+        if not tied:  # the last unit lingers until the next gather needs room; every prefetch was used
+            assert "GATHERING" not in eval_states, seen["after eval forward"]
+        # With a tied head, the head's pre-forward prefetches the units recorded after the embedding's unit
+        # (every block), which this eval forward released already and never uses again: they stay INFLIGHT
+        # (gathers started, never waited on, parameters empty) until the next backward's end or
+        # empty_partition_cache. The status says so; what the prefetch should do there is another matter.
