@@ -13,7 +13,7 @@ from harness import run_ranks
 def _unit_transitions() -> dict:
     import torch.distributed as dist
 
-    from shardspeed.zero.init import ZeroParamStatus
+    from shardspeed.core.partitioned import ZeroParamStatus
     from shardspeed.zero.param_units import Awaiting, LiveNumel, ParamUnit, UnitState, UnitStateError
 
     dist.init_process_group("gloo")
@@ -77,7 +77,7 @@ def _unit_transitions() -> dict:
 
 
 def test_unit_transitions_publish_ds_status_and_refuse_illegal_ones():
-    from shardspeed.zero.init import ZeroParamStatus as S
+    from shardspeed.core.partitioned import ZeroParamStatus as S
     from shardspeed.zero.param_units import Awaiting, UnitState
 
     for seen in run_ranks(_unit_transitions, 2):
@@ -111,7 +111,7 @@ class _MLP(nn.Module):
 
 def _truth(engine) -> dict:
     """Per parameter: its ds_status, whether its data agrees with it, and its unit's state."""
-    from shardspeed.zero.init import ZeroParamStatus as S
+    from shardspeed.core.partitioned import ZeroParamStatus as S
 
     result = {}
     for name, p in engine.module.named_parameters():
