@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.checkpoint import files
-from shardspeed.checkpoint.engine_io import shared_params
+from shardspeed.checkpoint.model_states import shared_params
 from shardspeed.utils.logging import log_dist
 
 
