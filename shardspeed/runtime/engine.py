@@ -322,7 +322,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
     def checkpoint_parts(self) -> list:
         """The parts a checkpoint saves and loads, each under its own name (checkpoint/parts.py); made at the
         first save or load, once `initialize` has attached every part (tensor parallelism attaches last)."""
-        if getattr(self, "_checkpoint_parts", None) is None:
+        if self.__dict__.get("_checkpoint_parts") is None:  # not getattr: that would ask the wrapped module
             self._checkpoint_parts = self._make_checkpoint_parts()
         return self._checkpoint_parts
 
