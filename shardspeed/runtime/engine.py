@@ -368,8 +368,9 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
     ) -> bool:
         """Rank 0 writes the module's weights in the training dtype (collective; see checkpoint/export.py)."""
         from shardspeed.checkpoint.export import save_16bit_model
+        from shardspeed.runtime.engine_parts import weights_source
 
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return save_16bit_model(weights_source(self), save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model
 

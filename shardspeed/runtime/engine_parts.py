@@ -4,11 +4,12 @@ which order, and the training counters, the one piece of state the engine itself
 Order (the save and load order): the module and optimizer wrapper (`ModelStates`, or MoE's subclass, or
 the pipeline's), the tensor layout, the LR scheduler, the compression schedule, the data sampler, the
 counters, the config record, the RNG streams. A part added to the list is saved and loaded without the
-checkpoint code knowing it.
+checkpoint code knowing it. `weights_source` says the same parts' story to the 16-bit export.
 """
 
 from __future__ import annotations
 
+from shardspeed.checkpoint.export import WeightsSource
 from shardspeed.checkpoint.model_states import ModelStates
 from shardspeed.checkpoint.parts import ConfigRecord, LoadContext, NamedState, Part, Placement, SaveOptions
 from shardspeed.checkpoint.rng import RngStates
@@ -17,7 +18,7 @@ from shardspeed.moe.checkpoint import MoEModelStates
 from shardspeed.runtime.data import sampler_state
 from shardspeed.version import __version__
 
-__all__ = ["TrainingCounters", "checkpoint_parts", "model_part", "placement"]
+__all__ = ["TrainingCounters", "checkpoint_parts", "model_part", "placement", "weights_source"]
 
 
 class TrainingCounters(Part):
@@ -92,3 +93,15 @@ def checkpoint_parts(engine) -> list:
         ConfigRecord(engine.config, __version__),
         RngStates(),
     ]
+
+
+def weights_source(engine) -> WeightsSource:
+    """Where the engine's weights are, for `save_16bit_model` and the consolidated 16-bit state dict."""
+    tp, moe = getattr(engine, "tensor_parallel", None), getattr(engine, "moe", None)
+    return WeightsSource(
+        module=engine.module,
+        stage3_units=engine.optimizer.coordinator.units if engine.zero_optimization_stage() == 3 else None,
+        tp_group=tp.group if tp is not None else None,
+        experts_split=moe is not None and any(layer.ep_size > 1 for layer in moe.layers),
+        gather_on_save=engine._config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
+    )
