@@ -4,25 +4,40 @@ Under ZeRO-3 the weights exist only as shards, so (as DeepSpeed) the export need
 `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`; it then gathers one unit at a time,
 so no rank ever holds more than the output plus one unit. Under tensor parallelism each sharded weight is
 gathered whole from its tensor group. A `.safetensors` file name writes safetensors.
+
+The functions take a `WeightsSource` (what the engine's parts say about where the weights are), not the engine.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardspeed.checkpoint import files
-from shardspeed.checkpoint.engine_io import shared_params
+from shardspeed.checkpoint.model_states import shared_params
 from shardspeed.utils.logging import log_dist
 
 
-def _gathered_state_dict(engine) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where the module's weights are, for an export."""
+
+    module: Any
+    stage3_units: list | None = None  # ZeRO-3: the units holding the parameters as shards (None below 3)
+    tp_group: Any = None  # tensor parallelism: the group whose shards make each whole weight
+    experts_split: bool = False  # expert parallelism (ep_size > 1): each rank holds other experts
+    gather_on_save: bool = False  # zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+
+def _gathered_state_dict(units: list) -> dict[str, torch.Tensor]:
     """Every parameter's full value (all ranks take part; rank 0 keeps CPU copies)."""
     state = {}
     keep = dist.get_rank() == 0
-    for unit in engine.optimizer.coordinator.units:
+    for unit in units:
         unit.gather()
         unit.refs += 1
         if keep:
@@ -34,55 +49,54 @@ def _gathered_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def consolidated_16bit_state_dict(engine, exclude_frozen_parameters: bool = False) -> dict | None:
+def consolidated_16bit_state_dict(
+    source: WeightsSource, exclude_frozen_parameters: bool = False
+) -> dict | None:
     """The module's full state dict in the training dtype on rank 0 (None on other ranks; collective).
 
     Under ZeRO-3 the parameters are gathered one unit at a time into CPU copies on rank 0; tied parameters
     appear under every name, as in `module.state_dict()`.
     """
-    stage3 = engine.zero_optimization_stage() == 3
-    moe = getattr(engine, "moe", None)
-    if moe is not None and any(layer.ep_size > 1 for layer in moe.layers):
+    module = source.module
+    if source.experts_split:
         raise NotImplementedError(
             "a consolidated 16-bit state dict of a model with expert parallelism (ep_size > 1) is not "
             "supported yet: each rank holds other experts; save_checkpoint writes every expert by global index"
         )
-    params = _gathered_state_dict(engine) if stage3 else None
-    module_state = engine.module.state_dict()
-    tensor_parallel = getattr(engine, "tensor_parallel", None)
+    params = _gathered_state_dict(source.stage3_units) if source.stage3_units is not None else None
+    module_state = module.state_dict()
     if (
-        tensor_parallel is not None
+        source.tp_group is not None
     ):  # whole weights from every tensor rank's shard (collective per tensor group)
         from shardspeed.module_inject.tp_state import tp_full_state_dict
 
-        module_state = tp_full_state_dict(engine.module, tensor_parallel.group, module_state)
+        module_state = tp_full_state_dict(module, source.tp_group, module_state)
     if dist.get_rank() != 0:
         return None
     state = {}
     for key, value in module_state.items():
         state[key] = value.detach().cpu() if params is None or value.numel() else value
     if params is not None:
-        shared = shared_params(engine.module)
+        shared = shared_params(module)
         state.update(params)
         state.update({alias: params[source] for alias, source in shared.items()})
     if exclude_frozen_parameters:
-        for name, p in engine.module.named_parameters():
+        for name, p in module.named_parameters():
             if not p.requires_grad:
                 state.pop(name, None)
     return state
 
 
-def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
+def save_16bit_model(source: WeightsSource, save_dir, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
-    stage3 = engine.zero_optimization_stage() == 3
-    if stage3 and not engine._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+    if source.stage3_units is not None and not source.gather_on_save:
         log_dist(
             "save_16bit_model did nothing: under ZeRO-3 set zero_optimization."
             "stage3_gather_16bit_weights_on_model_save to true to gather the weights for export",
             level=30,
         )
         return False
-    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
+    state = consolidated_16bit_state_dict(source, exclude_frozen_parameters)
     if dist.get_rank() == 0:
         path = Path(save_dir) / save_filename
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,17 +9,23 @@ or no engine: whole parameters, for consolidation)
 with the interface of `CheckpointReader`: each value (fp32 weight, per-element optimizer state) is merged
 from the T files by its saved partition, then cut to this rank's shard by the model's current partition.
 Resharding through it works for every ZeRO stage the optimizer wrappers can load from.
+
+`TensorParallelState` is the checkpoint part recording the tensor layout (`mp_world_size`, `mp_rank`,
+`tp_partitions`). Functions here take `tp`, the engine's tensor-parallel part (runtime/tensor_parallel.py:
+`rank`, `size`, `partitions`), or None without tensor parallelism.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shardspeed.checkpoint.parts import Part, SaveOptions
 from shardspeed.checkpoint.universal import CheckpointReader
 from shardspeed.module_inject.layers import TPPartition, gather_shards, shard_tensor
 
 __all__ = [
     "TensorParallelReader",
+    "TensorParallelState",
     "mp_rank",
     "mp_world_size",
     "open_reader",
@@ -36,19 +42,37 @@ def open_reader(checkpoint_dir, tag=None):
     return reader
 
 
-def mp_rank(engine) -> int:
-    part = getattr(engine, "tensor_parallel", None)
-    return part.rank if part is not None else 0
+def mp_rank(tp) -> int:
+    return tp.rank if tp is not None else 0
 
 
-def mp_world_size(engine) -> int:
-    part = getattr(engine, "tensor_parallel", None)
-    return part.size if part is not None else 1
+def mp_world_size(tp) -> int:
+    return tp.size if tp is not None else 1
 
 
-def _current_partitions(engine) -> dict[str, TPPartition]:
-    part = getattr(engine, "tensor_parallel", None)
-    return dict(part.partitions) if part is not None else {}
+def _current_partitions(tp) -> dict[str, TPPartition]:
+    return dict(tp.partitions) if tp is not None else {}
+
+
+class TensorParallelState(Part):
+    """The tensor layout this rank saved with: recorded, read back by the model part when it loads (a
+    checkpoint of another degree is merged and re-split). `files` overrides `mp_world_size`, the number of
+    model-states files (the pipeline engine writes one per stage)."""
+
+    name = "tensor_parallel"
+    keys = ("mp_world_size", "mp_rank", "tp_partitions")
+    optional = True
+
+    def __init__(self, tp, files: int | None = None):
+        self.tp = tp
+        self.files = files
+
+    def state_dict(self, options: SaveOptions) -> dict:
+        return {
+            "mp_world_size": self.files if self.files is not None else mp_world_size(self.tp),
+            "mp_rank": mp_rank(self.tp),
+            "tp_partitions": {n: p.as_dict() for n, p in _current_partitions(self.tp).items()},
+        }
 
 
 def saved_partitions(state: dict) -> dict[str, TPPartition]:
@@ -74,31 +98,31 @@ def _full_shape(local: tuple, part: TPPartition | None) -> tuple:
     return tuple(shape)
 
 
-def translate_shapes(state: dict, engine) -> dict[str, tuple]:
-    """The checkpoint's recorded parameter shapes as this engine's tensor rank would hold them."""
-    saved, current = saved_partitions(state), _current_partitions(engine)
+def translate_shapes(state: dict, tp) -> dict[str, tuple]:
+    """The checkpoint's recorded parameter shapes as this tensor rank would hold them."""
+    saved, current = saved_partitions(state), _current_partitions(tp)
     return {
         n: _local_shape(_full_shape(tuple(s), saved.get(n)), current.get(n))
         for n, s in state["param_shapes"].items()
     }
 
 
-def needs_tp_reshard(state: dict, engine) -> bool:
-    return int(state.get("mp_world_size", 1)) != mp_world_size(engine)
+def needs_tp_reshard(state: dict, tp) -> bool:
+    return int(state.get("mp_world_size", 1)) != mp_world_size(tp)
 
 
 class TensorParallelReader:
-    """A checkpoint of tensor degree T read by name in this engine's tensor layout (see module docstring)."""
+    """A checkpoint of tensor degree T read by name in the tensor layout `tp` (see module docstring)."""
 
-    def __init__(self, path, model_states: dict, engine=None):
+    def __init__(self, path, model_states: dict, tp=None):
         self.saved_tp = int(model_states.get("mp_world_size", 1))
         self.readers = [CheckpointReader(path, mp_rank=t) for t in range(self.saved_tp)]
         first = self.readers[0]
         self.path, self.zero_stage, self.world_size = first.path, first.zero_stage, first.world_size
         self.saved = saved_partitions(model_states)
-        self.current = _current_partitions(engine)
-        self.rank = mp_rank(engine)
-        self._shapes = translate_shapes(model_states, engine)
+        self.current = _current_partitions(tp)
+        self.rank = mp_rank(tp)
+        self._shapes = translate_shapes(model_states, tp)
 
     # -- the CheckpointReader interface the loaders use ---------------------------------------------------
 

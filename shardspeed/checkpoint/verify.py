@@ -37,10 +37,11 @@ def _partition_pattern(mp_rank: int) -> re.Pattern:
 _RNG = re.compile(r"rng_states_rank_(\d+)\.pt")
 
 
-def open_checkpoint(engine, load_dir, tag, check: Callable[[Path, dict], None]):
+def open_checkpoint(placement, load_dir, tag, check: Callable[[Path, dict], None]):
     """`(path, model_states)` of the checkpoint to load, or None when there is none (every rank agrees).
 
-    `check(path, model_states)` runs the consistency checks on this rank; any error it, the arguments or the
+    `placement` (checkpoint/parts.py) says which model-states file is this rank's and where its collectives
+    run. `check(path, model_states)` runs the consistency checks on this rank; any error it, the arguments or the
     reading raise on any rank is raised on every rank."""
 
     def find_and_check():
@@ -48,24 +49,19 @@ def open_checkpoint(engine, load_dir, tag, check: Callable[[Path, dict], None]):
             raise ValueError(f"load_checkpoint: load_dir must name a folder, got {load_dir!r}")
         if Path(load_dir).exists() and not Path(load_dir).is_dir():
             raise NotADirectoryError(f"load_checkpoint: {load_dir} is a file, not a checkpoint folder")
-        opened = _find(Path(load_dir), tag, _mp_rank(engine))
+        opened = _find(Path(load_dir), tag, placement.mp_rank)
         if opened is not None:
             check(*opened)
         return opened
 
-    opened = agree("load_checkpoint", find_and_check, engine.device)
-    found = all_gather_strings("1" if opened is not None else "", engine.device)
+    opened = agree("load_checkpoint", find_and_check, placement.device)
+    found = all_gather_strings("1" if opened is not None else "", placement.device)
     if any(found) and not all(found):
         raise CheckpointError(
             f"ranks disagree on whether there is a checkpoint in {load_dir} (rank {found.index('')} finds none, "
             f"rank {found.index('1')} finds one): is the folder on storage every rank sees?"
         )
     return opened
-
-
-def _mp_rank(engine) -> int:
-    part = getattr(engine, "tensor_parallel", None)
-    return part.rank if part is not None else 0
 
 
 def _find(load_dir: Path, tag, mp_rank: int = 0) -> tuple[Path, dict] | None:
@@ -115,7 +111,7 @@ def _recorded(state: dict, key: str, valid: Callable[[object], bool], path: Path
     return value
 
 
-def check_consistent(engine, path: Path, state: dict, partitions_needed: bool) -> list[int]:
+def check_consistent(placement, path: Path, state: dict, partitions_needed: bool) -> list[int]:
     """Raise a CheckpointError if the checkpoint at `path` is incomplete or contradicts itself.
 
     Returns the data-parallel ranks whose partition files this rank checked in full (each partition file
@@ -135,7 +131,7 @@ def check_consistent(engine, path: Path, state: dict, partitions_needed: bool) -
             f"checkpoint {path} records a data-parallel world size of {world} ({model_file.name}), but holds "
             f"RNG files of ranks {rng_ranks}: the recorded world size is wrong or files are missing"
         )
-    own_rng = path / files.rng_states_name(engine.global_rank)
+    own_rng = path / files.rng_states_name(placement.global_rank)
     if own_rng.exists():
         files.read_checkpoint(own_rng)
 
@@ -163,7 +159,7 @@ def check_consistent(engine, path: Path, state: dict, partitions_needed: bool) -
     from shardspeed.checkpoint.universal import CheckpointReader
 
     reader = CheckpointReader(path, model_states=state, mp_rank=state.get("mp_rank", 0))
-    mine = [r for r in expected if r % engine.world_size == engine.dp_rank]
+    mine = [r for r in expected if r % placement.dp_world_size == placement.dp_rank]
     for rank in mine:
         reader.check_rank_file(rank)
     return mine

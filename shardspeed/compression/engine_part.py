@@ -2,12 +2,14 @@
 
 The engine calls ``before_forward(global_steps)`` in forward and ``after_step()`` after each applied
 optimizer step (DeepSpeed 0.18.9's ``engine.forward`` step-zero check and ``_take_model_step``). The
-scheduler itself is ``engine.compression_scheduler``; checkpoints save its ``state_dict``. Without enabled
-techniques both calls cost an attribute check.
+scheduler itself is ``engine.compression_scheduler``; ``checkpoint_part()`` is its checkpoint part, the
+scheduler's ``state_dict`` under ``compression_scheduler`` (None without enabled techniques), loaded with the
+LR scheduler's states. Without enabled techniques both calls cost an attribute check.
 """
 
 from __future__ import annotations
 
+from shardspeed.checkpoint.parts import NamedState
 from shardspeed.config import ConfigError
 
 from .compressible import Compressible
@@ -42,3 +44,6 @@ class CompressionSchedule:
     def load_state_dict(self, state: dict | None) -> None:
         if self.active and state is not None:
             self.scheduler.load_state_dict(state)
+
+    def checkpoint_part(self) -> NamedState:
+        return NamedState("compression_scheduler", self, scheduler=True)

@@ -1,5 +1,9 @@
 """Checkpoints of models with MoE layers: DeepSpeed's expert files, and loading at another ep size.
 
+`MoEModelStates` is the checkpoint part (checkpoint/parts.py) of a model with MoE layers: `ModelStates`
+(checkpoint/model_states.py) with the experts in their own files. The functions here take that part (its
+module, optimizer wrapper, `moe` — the engine's `ExpertParallelism` — and placement).
+
 Files in a tag folder, besides the usual model-states and RNG files (checkpoint/engine_io.py):
 
     layer_<L>_expert_<E>_mp_rank_00_model_states.pt   DeepSpeed's expert file: expert E (global index) of the
@@ -26,6 +30,8 @@ import torch
 
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.model_states import ModelStates
+from shardspeed.checkpoint.parts import LoadContext, SaveOptions
 from shardspeed.moe.utils import is_moe_param
 from shardspeed.zero.api import (
     GatheredParameters,
@@ -34,7 +40,7 @@ from shardspeed.zero.api import (
     safe_set_full_fp32_param,
 )
 
-__all__ = ["expert_file_name", "load_moe", "moe_model_states", "save_moe"]
+__all__ = ["MoEModelStates", "expert_file_name", "load_moe", "moe_model_states", "save_moe"]
 
 _LOCAL = re.compile(r"^(?P<prefix>.*\.deepspeed_experts\.)(?P<index>\d+)(?P<rest>\..*)$")
 DENSE_UNIVERSAL = "moe_dense_universal_states.pt"
@@ -52,15 +58,43 @@ def optimizer_file_name(dp_rank: int) -> str:
     return f"moe_rank_{dp_rank}_mp_rank_00_optim_states.pt"
 
 
-def _experts(engine):
+class MoEModelStates(ModelStates):
+    """The module and optimizer wrapper of a model with MoE layers; `moe` is the engine's MoE part."""
+
+    keys = (*ModelStates.keys, "num_experts", "moe_layout")
+
+    def __init__(self, *args, moe, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.moe = moe
+
+    def _stage_wrappers(self) -> list:
+        return [d.wrapper for d in self.optimizer.domains]  # one per reduction domain (moe/optimizer.py)
+
+    def param_shapes(self) -> dict[str, tuple]:
+        return without_experts(super().param_shapes())  # experts are in their own files, by global index
+
+    def state_dict(self, options: SaveOptions) -> dict:
+        return moe_model_states(self, super().state_dict(options))
+
+    def write_files(self, staging, options: SaveOptions) -> None:
+        save_moe(self, staging)  # expert files, per-rank optimizer state (collective)
+
+    def needs_reshard(self, state: dict, path) -> bool:
+        return state.get("moe_layout") != moe_layout(self)
+
+    def load_state_dict(self, entries: dict, ctx: LoadContext) -> None:
+        ctx.resharded = load_moe(self, ctx.path, ctx.state, ctx.options.strict, ctx.options.optimizer)
+
+
+def _experts(part):
     """(layer id, global expert id, expert module, {global name: local name}, local name prefix) for this
     rank's experts, the
     layer id counting MoE layers in module order (as DeepSpeed numbers them)."""
     from shardspeed.moe.layer import MoE
 
-    layers = [(prefix, m) for prefix, m in engine.module.named_modules() if isinstance(m, MoE)]
+    layers = [(prefix, m) for prefix, m in part.module.named_modules() if isinstance(m, MoE)]
     for layer_id, (prefix, module) in enumerate(layers):
-        ep_rank = engine.moe.expert_rank(module.expert_group_name)
+        ep_rank = part.moe.expert_rank(module.expert_group_name)
         base = (prefix + "." if prefix else "") + "deepspeed_moe.experts.deepspeed_experts"
         for local, expert in enumerate(module.deepspeed_moe.experts.deepspeed_experts):
             global_id = ep_rank * module.num_local_experts + local
@@ -72,26 +106,26 @@ def _is_expert_key(name: str) -> bool:
     return _LOCAL.match(name) is not None
 
 
-def moe_layout(engine) -> dict:
-    wrapper = engine.optimizer
+def moe_layout(part) -> dict:
+    wrapper = part.optimizer
     buckets = {}
     if wrapper is not None and wrapper.zero_stage > 0:
         buckets = {d.name: [b.layout() for b in d.wrapper.buckets] for d in wrapper.domains}
     return {
-        "dp_world_size": engine.world_size,
-        "zero_stage": engine.zero_optimization_stage(),
-        "expert_groups": engine.moe.group_names(),
+        "dp_world_size": part.placement.dp_world_size,
+        "zero_stage": part.zero_stage,
+        "expert_groups": part.moe.group_names(),
         "buckets": buckets,
     }
 
 
-def moe_model_states(engine, state: dict) -> dict:
-    """The model-states dict of an MoE engine: expert tensors out (they are in the expert files)."""
+def moe_model_states(part, state: dict) -> dict:
+    """The model-states dict of an MoE part: expert tensors out (they are in the expert files)."""
     state["module"] = {k: v for k, v in state["module"].items() if not _is_expert_key(k)}
     state["optimizer"] = None  # in moe_rank_<D> files
     state["zero_partitions"] = 0
-    state["num_experts"] = [layer.num_experts for layer in engine.moe.layers]
-    state["moe_layout"] = moe_layout(engine)
+    state["num_experts"] = [layer.num_experts for layer in part.moe.layers]
+    state["moe_layout"] = moe_layout(part)
     return state
 
 
@@ -119,32 +153,32 @@ def _full_state(param) -> dict:
     return entry
 
 
-def save_moe(engine, staging) -> None:
+def save_moe(part, staging) -> None:
     """Expert files, this rank's optimizer state and the universal files (collective)."""
-    if engine.optimizer is not None:
-        partition = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config}
-        files.save_file(partition, staging / optimizer_file_name(engine.dp_rank))
-    experts = list(_experts(engine))
+    if part.optimizer is not None:
+        partition = {"optimizer_state_dict": part.optimizer.state_dict(), "ds_config": part.ds_config}
+        files.save_file(partition, staging / optimizer_file_name(part.placement.dp_rank))
+    experts = list(_experts(part))
     expert_params = [p for _, _, expert, _, _ in experts for p in expert.parameters()]
     with GatheredParameters(expert_params):  # stage 3: within each expert-data-parallel group
         for layer_id, global_id, expert, names, _ in experts:
-            if _edp_rank(engine, expert) == 0:
+            if _edp_rank(part, expert) == 0:
                 values = dict(zip(names, (t.detach().clone() for t in expert.state_dict().values())))
                 files.save_file(values, staging / expert_file_name(layer_id, global_id))
-    if engine.optimizer is None:
+    if part.optimizer is None:
         return
     dense = {
-        n: _full_state(p) for n, p in engine.module.named_parameters() if _managed(p) and not is_moe_param(p)
+        n: _full_state(p) for n, p in part.module.named_parameters() if _managed(p) and not is_moe_param(p)
     }
-    if engine.dp_rank == 0:
-        files.save_file({"params": dense, "loss_scaler": engine.optimizer.scaler.state_dict()},
+    if part.placement.dp_rank == 0:
+        files.save_file({"params": dense, "loss_scaler": part.optimizer.scaler.state_dict()},
                         staging / DENSE_UNIVERSAL)  # fmt: skip
     for layer_id, global_id, expert, names, local_prefix in experts:
         global_of = {local: g for g, local in names.items()}
         entries = {
             global_of[local_prefix + n]: _full_state(p) for n, p in expert.named_parameters() if _managed(p)
         }
-        if _edp_rank(engine, expert) == 0:
+        if _edp_rank(part, expert) == 0:
             files.save_file({"params": entries}, staging / expert_universal_name(layer_id, global_id))
 
 
@@ -152,36 +186,36 @@ def _managed(p) -> bool:
     return p.requires_grad and getattr(p, "_shardspeed_zero", None) is not None
 
 
-def _edp_rank(engine, expert) -> int:
+def _edp_rank(part, expert) -> int:
     p = next(expert.parameters())
-    return engine.moe.groups[p.group_name].edp_rank
+    return part.moe.groups[p.group_name].edp_rank
 
 
 # -- load ----------------------------------------------------------------------------------------------------
 
 
-def load_moe(engine, path, state: dict, strict: bool, load_optimizer: bool) -> bool:
+def load_moe(part, path, state: dict, strict: bool, load_optimizer: bool) -> bool:
     """Load an MoE checkpoint; returns True when it was saved at another layout (rebuilt from names)."""
     if "moe_layout" not in state:
         raise CheckpointError(f"checkpoint {path} was not saved from a model with MoE layers")
-    same = state["moe_layout"] == moe_layout(engine)
-    if engine.optimizer is None:  # weights only: dense ones from the model file, experts by global index
-        if state.get("zero_stage") == 3 or engine.zero_optimization_stage() == 3:
+    same = state["moe_layout"] == moe_layout(part)
+    if part.optimizer is None:  # weights only: dense ones from the model file, experts by global index
+        if state.get("zero_stage") == 3 or part.zero_stage == 3:
             raise CheckpointError(
                 f"checkpoint {path}: loading MoE weights without an optimizer needs ZeRO < 3"
             )
-        _load_weights(engine, path, {**state["module"], **_expert_values(engine, path)}, strict)
+        _load_weights(part, path, {**state["module"], **_expert_values(part, path)}, strict)
     elif same:
-        _load_same_layout(engine, path, state, strict, load_optimizer)
+        _load_same_layout(part, path, state, strict, load_optimizer)
     else:
-        _load_any_layout(engine, path, state, strict, load_optimizer)
+        _load_any_layout(part, path, state, strict, load_optimizer)
     return not same
 
 
-def _expert_values(engine, path) -> dict:
+def _expert_values(part, path) -> dict:
     """This rank's experts' tensors from their files, under the local names of this model."""
     values = {}
-    for layer_id, global_id, _, names, _ in _experts(engine):
+    for layer_id, global_id, _, names, _ in _experts(part):
         file = path / expert_file_name(layer_id, global_id)
         if not file.is_file():
             raise CheckpointError(
@@ -195,9 +229,9 @@ def _expert_values(engine, path) -> dict:
     return values
 
 
-def _load_weights(engine, path, module_state: dict, strict: bool, params_elsewhere: bool = False) -> None:
-    params = {n for n, _ in engine.module.named_parameters()}
-    missing, unexpected = engine.module.load_state_dict(module_state, strict=False)
+def _load_weights(part, path, module_state: dict, strict: bool, params_elsewhere: bool = False) -> None:
+    params = {n for n, _ in part.module.named_parameters()}
+    missing, unexpected = part.module.load_state_dict(module_state, strict=False)
     missing = [k for k in missing if not (params_elsewhere and k in params)]
     if strict and (missing or unexpected):
         raise CheckpointError(
@@ -205,20 +239,20 @@ def _load_weights(engine, path, module_state: dict, strict: bool, params_elsewhe
         )
 
 
-def _load_same_layout(engine, path, state, strict, load_optimizer) -> None:
+def _load_same_layout(part, path, state, strict, load_optimizer) -> None:
     module_state = dict(state["module"])
-    stage3 = engine.zero_optimization_stage() == 3  # parameters come from the optimizer's shards
+    stage3 = part.zero_stage == 3  # parameters come from the optimizer's shards
     if not stage3:
-        module_state.update(_expert_values(engine, path))
-    _load_weights(engine, path, module_state, strict, params_elsewhere=stage3)
+        module_state.update(_expert_values(part, path))
+    _load_weights(part, path, module_state, strict, params_elsewhere=stage3)
     if not (load_optimizer or stage3):
-        engine.optimizer.refresh_masters_from_module()
+        part.optimizer.refresh_masters_from_module()
         return
-    saved = files.load_file(path / optimizer_file_name(engine.dp_rank))["optimizer_state_dict"]
-    engine.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer)
+    saved = files.load_file(path / optimizer_file_name(part.placement.dp_rank))["optimizer_state_dict"]
+    part.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer)
 
 
-def _load_any_layout(engine, path, state, strict, load_optimizer) -> None:
+def _load_any_layout(part, path, state, strict, load_optimizer) -> None:
     universal = {}
     dense_file = path / DENSE_UNIVERSAL
     if not dense_file.is_file():
@@ -227,14 +261,14 @@ def _load_any_layout(engine, path, state, strict, load_optimizer) -> None:
         )
     dense = files.load_file(dense_file)
     universal.update(dense["params"])
-    for layer_id, global_id, _, _, _ in _experts(engine):
+    for layer_id, global_id, _, _, _ in _experts(part):
         file = path / expert_universal_name(layer_id, global_id)
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} has no {file.name}: expert {global_id} of MoE layer {layer_id} "
                                   "is not in it (saved with fewer experts?)")  # fmt: skip
         universal.update(files.load_file(file)["params"])
-    local_to_global = {local: g for _, _, _, names, _ in _experts(engine) for g, local in names.items()}
-    named = [(local_to_global.get(n, n), p) for n, p in engine.module.named_parameters()]
+    local_to_global = {local: g for _, _, _, names, _ in _experts(part) for g, local in names.items()}
+    named = [(local_to_global.get(n, n), p) for n, p in part.module.named_parameters()]
     # dense first on every rank, then this rank's experts: each group sees its collectives in one order
     ordered = [x for x in named if not is_moe_param(x[1])] + [x for x in named if is_moe_param(x[1])]
     with torch.no_grad():
@@ -244,10 +278,10 @@ def _load_any_layout(engine, path, state, strict, load_optimizer) -> None:
             if name not in universal:
                 raise CheckpointError(f"checkpoint {path} has no value for parameter {name!r}")
             _set_full_state(p, universal[name], load_optimizer)
-    buffers = {k: v for k, v in state["module"].items() if k not in dict(engine.module.named_parameters())}
-    engine.module.load_state_dict(buffers, strict=False)
+    buffers = {k: v for k, v in state["module"].items() if k not in dict(part.module.named_parameters())}
+    part.module.load_state_dict(buffers, strict=False)
     if load_optimizer and dense.get("loss_scaler") is not None:
-        engine.optimizer.scaler.load_state_dict(dense["loss_scaler"])
+        part.optimizer.scaler.load_state_dict(dense["loss_scaler"])
 
 
 def _set_full_state(param, entry: dict, load_optimizer: bool) -> None:

@@ -15,6 +15,10 @@ own files and resumes bit for bit. Anything else (beyond DeepSpeed, which needs 
 read by parameter name: parameter names are global layer indices, so they do not depend on the partition;
 each saved stage's files are presented through a `CheckpointReader`, and the optimizer wrapper's
 `load_universal` picks the values and optimizer states of the parameters this rank now holds.
+
+`PipelineLayers` is the checkpoint part (checkpoint/parts.py) that does this: the pipeline engine's
+`ModelStates`, placed at its stage (`mp_rank` = stage), with the weights in the layer files. The rest of the
+save and load is the engine's own (checkpoint/engine_io.py).
 """
 
 from __future__ import annotations
@@ -24,20 +28,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardspeed.checkpoint import files, verify
-from shardspeed.checkpoint.engine_io import (
-    ENGINE_KEYS,
-    _load_progress,
-    _model_states,
-    _rng_state,
-    _set_rng_state,
-    saving,
-)
+from shardspeed.checkpoint import files
 from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.model_states import ModelStates
+from shardspeed.checkpoint.parts import LoadContext, LoadOptions, SaveOptions
 from shardspeed.checkpoint.universal import CheckpointReader
 from shardspeed.utils.logging import log_dist
 
-__all__ = ["layer_file_name", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
+__all__ = ["PipelineLayers", "layer_file_name"]
 
 
 def layer_file_name(index: int, rank_repr: str = "") -> str:
@@ -53,35 +51,116 @@ def _layer_prefixes(module) -> dict[int, str]:
     return prefixes
 
 
-def save_pipeline_checkpoint(engine, save_dir, tag, client_state, save_latest, exclude_frozen) -> bool:
-    with saving(engine, save_dir, tag, client_state, save_latest) as (save_dir, tag, staging):
-        _write_stage_files(engine, staging, client_state, exclude_frozen)
-    log_dist(f"saved pipeline checkpoint {save_dir / tag}")
-    return True
+class PipelineLayers(ModelStates):
+    """This stage's layers and optimizer wrapper: `module` is None in the model-states file (as DeepSpeed:
+    the weights are in the layer files), which also records the stage's `pipeline` layout. `num_stages` and
+    `stage` are the engine's; `placement.mp_rank` is the stage."""
 
+    keys = (*ModelStates.keys, "pipeline")
 
-def _write_stage_files(engine, staging, client_state, exclude_frozen) -> None:
-    """This rank's files: its stage's layer files (data-parallel rank 0), partition and RNG state."""
-    rank, stage, module = dist.get_rank(), engine.stage_id, engine.module
-    rank_repr = module.topology().get_rank_repr(rank)
-    if engine.dp_rank == 0:
-        for index, layer in module.local_layers():
-            files.save_file(layer.state_dict(), staging / layer_file_name(index, rank_repr))
-        state = _model_states(engine, client_state, exclude_frozen)
+    def __init__(self, *args, num_stages: int, stage: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_stages = num_stages
+        self.stage = stage
+        self._found: list[dict] = []  # every stage's model-states, read by `check`
+
+    def _rank_repr(self) -> str:
+        return self.module.topology().get_rank_repr(dist.get_rank())
+
+    def state_dict(self, options: SaveOptions) -> dict:
+        state = super().state_dict(options)
         state["module"] = None  # as DeepSpeed: the weights live in the layer files
-        state["mp_world_size"] = engine.num_stages
         state["pipeline"] = {
-            "num_stages": engine.num_stages,
-            "stage": stage,
-            "parts": list(module.parts),
-            "layer_prefixes": _layer_prefixes(module),
-            "rank_repr": rank_repr,
+            "num_stages": self.num_stages,
+            "stage": self.stage,
+            "parts": list(self.module.parts),
+            "layer_prefixes": _layer_prefixes(self.module),
+            "rank_repr": self._rank_repr(),
         }
-        files.save_file(state, staging / files.model_states_name(stage))
-    if engine.optimizer is not None and engine.optimizer.zero_stage > 0:
-        partition = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config}
-        files.save_file(partition, staging / files.zero_optim_states_name(engine.dp_rank, stage))
-    files.save_file(_rng_state(), staging / files.rng_states_name(rank))
+        return state
+
+    def write_files(self, staging: Path, options: SaveOptions) -> None:
+        """The stage's layer files (data-parallel rank 0) and this rank's ZeRO partition."""
+        if self.placement.dp_rank == 0:
+            rank_repr = self._rank_repr()
+            for index, layer in self.module.local_layers():
+                files.save_file(layer.state_dict(), staging / layer_file_name(index, rank_repr))
+        if self.optimizer is not None and self.optimizer.zero_stage > 0:
+            partition = {"optimizer_state_dict": self.optimizer.state_dict(), "ds_config": self.ds_config}
+            files.save_file(partition, staging / self.partition_name())
+
+    def check(self, path: Path, state: dict, options: LoadOptions) -> None:  # every rank, before loading
+        self._found = _stage_states(path)
+        _check_files(path, self._found, options.optimizer)
+
+    def load_state_dict(self, entries: dict, ctx: LoadContext) -> None:
+        path, states = ctx.path, self._found
+        saved = states[0]["pipeline"]
+        same_layout = (
+            saved["num_stages"] == self.num_stages
+            and saved["parts"] == list(self.module.parts)
+            and states[0]["dp_world_size"] == self.placement.dp_world_size
+            and states[0]["zero_stage"] == self.zero_stage
+        )
+        # the parts after this one read this stage's file (the first stage's at another stage count)
+        ctx.state = states[self.stage] if self.stage < len(states) else states[0]
+        with_optimizer = ctx.options.optimizer and self.optimizer is not None
+        if same_layout:
+            self._load_own_stage(path, ctx.state, ctx.options.strict, with_optimizer)
+        else:
+            log_dist(
+                f"resharding pipeline checkpoint {path}: saved with {saved['num_stages']} stages x "
+                f"{states[0]['dp_world_size']} replicas, loading on {self.num_stages} x "
+                f"{self.placement.dp_world_size}",
+                ranks=[0],
+            )
+            self._load_by_name(path, states, ctx.options.strict, with_optimizer)
+        ctx.resharded = not same_layout
+
+    def _load_own_stage(self, path: Path, state: dict, strict: bool, with_optimizer: bool) -> None:
+        weights = _layer_weights(path, state)
+        try:
+            self.module.load_state_dict(weights, strict=strict)
+        except RuntimeError as err:
+            raise CheckpointError(
+                f"checkpoint {path} does not match stage {self.stage}'s layers: {err}"
+            ) from err
+        optimizer = self.optimizer
+        if optimizer is None:
+            return
+        if not with_optimizer:
+            optimizer.refresh_masters_from_module()
+            return
+        if optimizer.zero_stage == 0:
+            saved = state["optimizer"]
+        else:
+            saved = files.load_file(path / self.partition_name())["optimizer_state_dict"]
+        optimizer.load_state_dict(saved)
+
+    def _load_by_name(self, path: Path, states: list[dict], strict: bool, with_optimizer: bool) -> None:
+        readers = []
+        for stage, state in enumerate(states):
+            state = dict(state, module=_layer_weights(path, state))
+            readers.append(_StageReader(path, state, stage))
+        reader = _PipelineReader(readers)
+        module = self.module
+        missing = [n for n, _ in module.named_parameters() if not reader.has_value(n)]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} has no value for parameters {missing[:6]}")
+        restored: set[str] = set()
+        with torch.no_grad():
+            if self.optimizer is not None:
+                restored = self.optimizer.load_universal(reader, with_optimizer)
+            for name, param in module.named_parameters():
+                if name not in restored:
+                    param.data.copy_(reader.fp32(name))
+        buffers = {}
+        for r in readers:
+            buffers.update({n: r.buffer(n).clone() for n in r.buffer_names()})
+        own = dict(module.named_buffers())
+        module.load_state_dict({k: v for k, v in buffers.items() if k in own}, strict=False)
+        if strict and set(own) - set(buffers):
+            raise CheckpointError(f"checkpoint {path} lacks buffers {sorted(set(own) - set(buffers))[:6]}")
 
 
 class _StageReader(CheckpointReader):
@@ -175,91 +254,3 @@ def _layer_weights(path: Path, state: dict) -> dict[str, torch.Tensor]:
         for key, value in files.load_file(layer_file).items():
             weights[prefix + key] = value
     return weights
-
-
-def load_pipeline_checkpoint(engine, load_dir, tag, strict, load_optimizer_states, load_scheduler_states,
-                             module_only):  # fmt: skip
-    found: dict = {}
-
-    def check(path: Path, _model_states: dict) -> None:  # on every rank, before anything is loaded
-        found["states"] = _stage_states(path)
-        _check_files(path, found["states"], load_optimizer_states and not module_only)
-
-    opened = verify.open_checkpoint(engine, load_dir, tag, check)  # every rank agrees, or all raise
-    if opened is None:
-        return None, None
-    path, states = opened[0], found["states"]
-    saved = states[0]["pipeline"]
-    same_layout = (
-        saved["num_stages"] == engine.num_stages
-        and saved["parts"] == list(engine.module.parts)
-        and states[0]["dp_world_size"] == engine.world_size
-        and states[0]["zero_stage"] == engine.zero_optimization_stage()
-    )
-    mine = states[engine.stage_id] if engine.stage_id < len(states) else states[0]
-    with_optimizer = load_optimizer_states and not module_only and engine.optimizer is not None
-    if same_layout:
-        _load_own_stage(engine, path, mine, strict, with_optimizer)
-    else:
-        log_dist(
-            f"resharding pipeline checkpoint {path}: saved with {saved['num_stages']} stages x "
-            f"{states[0]['dp_world_size']} replicas, loading on {engine.num_stages} x {engine.world_size}",
-            ranks=[0],
-        )
-        _load_by_name(engine, path, states, strict, with_optimizer)
-    if module_only:
-        return str(path), {}
-    _load_progress(engine, mine, load_scheduler_states, realign=not same_layout)
-    rng_file = path / files.rng_states_name(dist.get_rank())
-    if same_layout and rng_file.is_file():
-        _set_rng_state(files.load_file(rng_file))
-    client_state = {k: v for k, v in mine.items() if k not in ENGINE_KEYS and k != "pipeline"}
-    dist.barrier()
-    return str(path), client_state
-
-
-def _load_own_stage(engine, path: Path, state: dict, strict: bool, with_optimizer: bool) -> None:
-    weights = _layer_weights(path, state)
-    try:
-        engine.module.load_state_dict(weights, strict=strict)
-    except RuntimeError as err:
-        raise CheckpointError(
-            f"checkpoint {path} does not match stage {engine.stage_id}'s layers: {err}"
-        ) from err
-    optimizer = engine.optimizer
-    if optimizer is None:
-        return
-    if not with_optimizer:
-        optimizer.refresh_masters_from_module()
-        return
-    if optimizer.zero_stage == 0:
-        saved = state["optimizer"]
-    else:
-        saved = files.load_file(path / files.zero_optim_states_name(engine.dp_rank, engine.stage_id))
-        saved = saved["optimizer_state_dict"]
-    optimizer.load_state_dict(saved)
-
-
-def _load_by_name(engine, path: Path, states: list[dict], strict: bool, with_optimizer: bool) -> None:
-    readers = []
-    for stage, state in enumerate(states):
-        state = dict(state, module=_layer_weights(path, state))
-        readers.append(_StageReader(path, state, stage))
-    reader = _PipelineReader(readers)
-    missing = [n for n, _ in engine.module.named_parameters() if not reader.has_value(n)]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} has no value for parameters {missing[:6]}")
-    restored: set[str] = set()
-    with torch.no_grad():
-        if engine.optimizer is not None:
-            restored = engine.optimizer.load_universal(reader, with_optimizer)
-        for name, param in engine.module.named_parameters():
-            if name not in restored:
-                param.data.copy_(reader.fp32(name))
-    buffers = {}
-    for r in readers:
-        buffers.update({n: r.buffer(n).clone() for n in r.buffer_names()})
-    own = dict(engine.module.named_buffers())
-    engine.module.load_state_dict({k: v for k, v in buffers.items() if k in own}, strict=False)
-    if strict and set(own) - set(buffers):
-        raise CheckpointError(f"checkpoint {path} lacks buffers {sorted(set(own) - set(buffers))[:6]}")

@@ -1,4 +1,6 @@
-"""Training data: a DataLoader that gives each data-parallel rank its own shard, and `RepeatingLoader`."""
+"""Training data: a DataLoader that gives each data-parallel rank its own shard, and `RepeatingLoader`.
+
+`sampler_state(loader)` is the loader's checkpoint part: its epoch under `data_sampler`."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from shardspeed.checkpoint.parts import NamedState
 
 
 class ShardedDataLoader:
@@ -63,6 +67,11 @@ class ShardedDataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
+
+
+def sampler_state(loader) -> NamedState:
+    """The checkpoint part of the engine's training loader (None without one: nothing saved or loaded)."""
+    return NamedState("data_sampler", loader)
 
 
 class RepeatingLoader:

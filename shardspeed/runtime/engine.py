@@ -317,34 +317,60 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
     def was_step_applied(self) -> bool:
         return self._step_applied
 
-    # -- checkpoints (implemented in shardspeed/checkpoint) -------------------------------------------------
+    # -- checkpoints (implemented in shardspeed/checkpoint over the parts of runtime/engine_parts.py) -------
+
+    def checkpoint_parts(self) -> list:
+        """The parts a checkpoint saves and loads, each under its own name (checkpoint/parts.py); made at the
+        first save or load, once `initialize` has attached every part (tensor parallelism attaches last)."""
+        if self.__dict__.get("_checkpoint_parts") is None:  # not getattr: that would ask the wrapped module
+            self._checkpoint_parts = self._make_checkpoint_parts()
+        return self._checkpoint_parts
+
+    def _make_checkpoint_parts(self) -> list:
+        from shardspeed.runtime.engine_parts import checkpoint_parts
+
+        return checkpoint_parts(self)
+
+    def _checkpoint_placement(self):
+        from shardspeed.runtime.engine_parts import placement
+
+        return placement(self)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False) -> bool:  # fmt: skip
-        from shardspeed.checkpoint.engine_io import save_checkpoint
+        from shardspeed.checkpoint.engine_io import SaveSettings, save_checkpoint
+        from shardspeed.checkpoint.parts import SaveOptions
 
-        return save_checkpoint(
-            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+        parts = self.checkpoint_parts()
+        settings = SaveSettings(
+            self._checkpoint_placement(),
+            f"global_step{self.global_steps}",
+            self._config.checkpoint.tag_validation,
         )
+        options = SaveOptions(exclude_frozen=exclude_frozen_parameters)
+        return save_checkpoint(parts, settings, save_dir, tag, client_state or {}, save_latest, options)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
         from shardspeed.checkpoint.engine_io import load_checkpoint
+        from shardspeed.checkpoint.parts import LoadOptions
 
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
-        return load_checkpoint(
-            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-            load_module_only,
-        )  # fmt: skip
+        parts = self.checkpoint_parts()
+        options = LoadOptions(
+            load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+        return load_checkpoint(parts, self._checkpoint_placement(), load_dir, tag, options)
 
     def save_16bit_model(
         self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False
     ) -> bool:
         """Rank 0 writes the module's weights in the training dtype (collective; see checkpoint/export.py)."""
         from shardspeed.checkpoint.export import save_16bit_model
+        from shardspeed.runtime.engine_parts import weights_source
 
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return save_16bit_model(weights_source(self), save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model
 

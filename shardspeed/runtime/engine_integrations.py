@@ -23,5 +23,6 @@ class IntegrationMethods:
         Works at every stage (below stage 3 the parameters are already full).
         """
         from shardspeed.checkpoint.export import consolidated_16bit_state_dict
+        from shardspeed.runtime.engine_parts import weights_source
 
-        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+        return consolidated_16bit_state_dict(weights_source(self), exclude_frozen_parameters)

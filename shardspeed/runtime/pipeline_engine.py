@@ -385,26 +385,27 @@ class PipelineEngine(ShardspeedEngine):
         self.micro_steps += micro_batches
         self.throughput.add(self.train_batch_size())
 
-    # -- checkpoints (pipe/checkpoint.py) ----------------------------------------------------------------------
+    # -- checkpoints: the engine's save/load, with this stage's layer files (pipe/checkpoint.py) -------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
-                        exclude_frozen_parameters=False) -> bool:  # fmt: skip
-        from shardspeed.pipe.checkpoint import save_pipeline_checkpoint
+    def _make_checkpoint_parts(self) -> list:
+        from shardspeed.checkpoint.rng import RngStates
+        from shardspeed.checkpoint.tensor_parallel import TensorParallelState
+        from shardspeed.pipe.checkpoint import PipelineLayers
+        from shardspeed.runtime.engine_parts import model_part
 
-        return save_pipeline_checkpoint(
-            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
-        )
+        parts = super()._make_checkpoint_parts()
+        # one model-states file per stage; RNG streams only restored at the same layout
+        replaced = {
+            "model": model_part(self, PipelineLayers, num_stages=self.num_stages, stage=self.stage_id),
+            "tensor_parallel": TensorParallelState(None, files=self.num_stages),
+            "rng": RngStates(after_relayout=False),
+        }  # fmt: skip
+        return [replaced.get(part.name, part) for part in parts]
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
-        from shardspeed.pipe.checkpoint import load_pipeline_checkpoint
+    def _checkpoint_placement(self):
+        from shardspeed.runtime.engine_parts import placement
 
-        if custom_load_fn is not None:
-            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
-        return load_pipeline_checkpoint(
-            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-            load_module_only,
-        )  # fmt: skip
+        return placement(self, mp_rank=self.stage_id)  # the stage names this rank's files
 
     # -- reductions across stages -----------------------------------------------------------------------------
 
