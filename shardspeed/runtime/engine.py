@@ -7,8 +7,9 @@ builds it), loss scaling to `core/precision.py`, the module's dtypes to `core/mo
 `zero/offload_states.py`, data to `runtime/data.py`, checkpoints to `checkpoint/`, and DeepSpeed's
 config getters to `runtime/engine_getters.py`. See docs/architecture.md.
 
-Parts are built from the config blocks they need (the `zero_optimization` block, the precision plan, the
-monitoring blocks, ...), never from the engine.
+The resolved config is `engine.settings` (typed, `ShardspeedConfig`; DeepSpeed's private `engine._config`
+is the same object, `engine.config` the dict as given). Parts are built from the blocks they need (the
+`zero_optimization` block, the precision plan, the monitoring blocks, ...), never from the engine.
 
 Attributes the engine does not have are looked up on the wrapped module, as DeepSpeed does
 (`engine.config_class` reads `engine.module.config_class`); see `__getattr__`.
@@ -80,7 +81,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         collate_fn=None,
     ):
         super().__init__()
-        self._config = config
+        self._config = config  # `settings` (engine_getters.py); DeepSpeed's private name, which scripts read
         self.config = config.raw  # DeepSpeed's `engine.config`: the config as given
         self.mpu = mpu
         self.process_settings = ProcessSettings(config)  # log_level, disable_python_gc
@@ -361,15 +362,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
     save_fp16_model = save_16bit_model
 
     # -- getters DeepSpeed users call ----------------------------------------------------------------------
-
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
 
     def get_batch_info(self):
         return self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
