@@ -160,7 +160,8 @@ def initialize(
         collate_fn=collate_fn,
     )
     if tensor_parallel is not None:
-        tensor_parallel.attach(engine)
+        engine.tensor_parallel = tensor_parallel
+        tensor_parallel.attach(engine.optimizer, engine.device)
     if "activation_checkpointing" in cfg.raw:  # DeepSpeed leaves this to the user; see compatibility.md
         from shardspeed import checkpointing
 

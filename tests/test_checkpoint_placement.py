@@ -75,13 +75,17 @@ def _cases(root: str, world: int) -> dict:
         engine.save_checkpoint(f"{root}/{name}")
         expected = train_engine(engine, data, range(2, 4), rank, world), full_params(engine)
         engine.destroy()
-        out[name] = {"expected": expected, "fresh_problems": placement_problems(_engine(config))}
+        fresh = _engine(config)
+        out[name] = {
+            "expected": expected,
+            "fresh_problems": placement_problems(fresh.module, fresh.optimizer, fresh.device),
+        }
 
     _loads_as_float64()
     for name, config in [*VARIANTS.items(), *((f"{n}->other", c) for n, c in CROSS.items())]:
         engine = _engine(config)
         engine.load_checkpoint(f"{root}/{name.removesuffix('->other')}")
-        problems = placement_problems(engine)
+        problems = placement_problems(engine.module, engine.optimizer, engine.device)
         data = token_batches(4, engine.train_batch_size())
         out.setdefault(name, {}).update(
             problems=problems,
@@ -118,7 +122,7 @@ def _nvme_case(root: str) -> list[str]:
     engine = _engine(config)
     engine.load_checkpoint(f"{root}/ckpt")
     with engine.optimizer._resident_state():  # read the swapped state back to check it too
-        return placement_problems(engine)
+        return placement_problems(engine.module, engine.optimizer, engine.device)
 
 
 def test_nvme_swapped_state_is_placed_on_load(tmp_path):

@@ -61,7 +61,7 @@ def _resume_cases(root: str) -> dict:
 
         engine = _engine(config)
         engine.load_checkpoint(f"{root}/{name}")
-        problems = placement_problems(engine)
+        problems = placement_problems(engine.module, engine.optimizer, engine.device)
         pinned = None
         if offload:
             host_grads = engine.optimizer.host_grads

@@ -1,12 +1,13 @@
 """Memory accounting: what model states occupy on this rank, and what the ZeRO formulas predict.
 
-`measure(engine)` counts the bytes of the tensors the engine holds, by category: the module's parameters
-(full or, in stage 3, shards plus persistent units), gradients (buckets or shards), fp32 master weights
-(when they are separate tensors), optimizer state, and communication buffers in flight. Storages shared by
-several views are counted once. ZeRO++'s hpZ secondary shards are `secondary_params`: a trainable unit
-holds one from its first release after an optimizer step until the next step, so they show between a
-forward and the step (the formula: 1/`zero_hpz_partition_size` of the 16-bit model, less persistent units),
-not after it; frozen units keep theirs.
+`measure(module, wrapper)` counts the bytes of the tensors a module and its stage wrapper (the engine's
+`module` and `optimizer`) hold, by category: the module's parameters (full or, in stage 3, shards plus
+persistent units), gradients (buckets or shards), fp32 master weights (when they are separate tensors),
+optimizer state, and communication buffers in flight. Storages shared by several views are counted once.
+ZeRO++'s hpZ secondary shards are `secondary_params`: a trainable unit holds one from its first release
+after an optimizer step until the next step, so they show between a forward and the step (the formula:
+1/`zero_hpz_partition_size` of the 16-bit model, less persistent units), not after it; frozen units keep
+theirs.
 
 `estimate(num_params, world_size, stage, dtype)` is the ZeRO paper's per-rank model-state memory for Adam
 (design.md's table), the counterpart of DeepSpeed's `estimate_zero*_model_states_mem_needs`.
@@ -54,19 +55,19 @@ def _bytes(tensors, seen: set) -> int:
     return total
 
 
-def measure(engine) -> ModelStateBytes:
-    """Bytes of model states this rank holds right now (call between steps for the steady state)."""
+def measure(module, wrapper) -> ModelStateBytes:
+    """Bytes of model states this rank holds right now for `module` and its stage wrapper `wrapper` (None:
+    no optimizer); call between steps for the steady state."""
     seen: set = set()
-    wrapper = engine.optimizer
     result = ModelStateBytes()
-    result.params = _bytes([p.data for p in engine.module.parameters()], seen)
+    result.params = _bytes([p.data for p in module.parameters()], seen)
     if wrapper is None:
         return result
     # MoE: one stage wrapper per reduction domain (dense, each expert group), sharing the torch optimizer
     parts = [d.wrapper for d in wrapper.domains] if hasattr(wrapper, "domains") else [wrapper]
     for part in parts:
         _add_wrapper_states(result, part, seen)
-    result.grads += _bytes([p.grad for p in engine.module.parameters()], seen)
+    result.grads += _bytes([p.grad for p in module.parameters()], seen)
     state = wrapper.optimizer.state.values()
     result.optimizer_state = _bytes([v for s in state for v in s.values() if torch.is_tensor(v)], seen)
     return result

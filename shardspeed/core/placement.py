@@ -45,14 +45,14 @@ def place_optimizer_state(state: dict, tensor: torch.Tensor, group: dict, copy: 
     return placed
 
 
-def placement_problems(engine) -> list[str]:
-    """Every tensor of `engine` that is not where the table above says; empty when all is in place."""
+def placement_problems(module, wrapper, device: torch.device) -> list[str]:
+    """Every tensor of `module` and of its stage wrapper `wrapper` (None: no optimizer) that is not where
+    the table above says for a run on `device` (the engine's `module`, `optimizer` and `device`); empty
+    when all is in place."""
     problems = []
-    device = engine.device
-    for name, value in [*engine.module.named_parameters(), *engine.module.named_buffers()]:
+    for name, value in [*module.named_parameters(), *module.named_buffers()]:
         if value.device != device:
             problems.append(f"module tensor {name} is on {value.device}, expected {device}")
-    wrapper = engine.optimizer
     torch_optimizer = getattr(wrapper, "optimizer", None)
     if torch_optimizer is None:
         return problems

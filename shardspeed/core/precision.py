@@ -71,11 +71,12 @@ class PrecisionPlan:
         return cls(param, grad_accum, comm, check, cfg.fp16.enabled)
 
 
-def make_scaler(cfg, plan: PrecisionPlan) -> LossScaler:
-    """The run's scaler: DeepSpeed's loss scaler for fp16 (and an fp16 autocast, whose fp16 block holds
-    DeepSpeed's defaults), else a scale of 1 that still skips non-finite steps where the plan says so."""
+def make_scaler(fp16_cfg, plan: PrecisionPlan) -> LossScaler:
+    """The run's scaler from the `fp16` block: DeepSpeed's loss scaler for fp16 (and an fp16 autocast, whose
+    fp16 block holds DeepSpeed's defaults), else a scale of 1 that still skips non-finite steps where the
+    plan says so."""
     if plan.loss_scaling:
-        return LossScaler.from_config(cfg.fp16)
+        return LossScaler.from_config(fp16_cfg)
     return NoScaler(check_overflow=plan.check_overflow)
 
 

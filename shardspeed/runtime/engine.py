@@ -1,11 +1,15 @@
 """The training engine `initialize` returns: forward, backward, step and the counters, composed of parts.
 
 The engine itself holds little logic. It owns the wrapped module and the counters, and delegates:
-gradient averaging and the optimizer step to the stage's optimizer wrapper (`runtime/data_parallel.py` for
-stage 0), loss scaling to `runtime/precision.py`, the module's dtypes to `runtime/module_dtypes.py`,
-`torch_autocast` to `runtime/autocast.py`, `compile()` to `runtime/compiler.py`, `offload_states()` to
-`runtime/zero/offload_states.py`, data to `runtime/data.py`, checkpoints to `checkpoint/`, and DeepSpeed's
+gradient averaging and the optimizer step to the stage's optimizer wrapper (`runtime/stage_wrappers.py`
+builds it), loss scaling to `core/precision.py`, the module's dtypes to `core/module_dtypes.py`,
+`torch_autocast` to `core/autocast.py`, `compile()` to `runtime/compiler.py`, `offload_states()` to
+`zero/offload_states.py`, data to `runtime/data.py`, checkpoints to `checkpoint/`, and DeepSpeed's
 config getters to `runtime/engine_getters.py`. See docs/architecture.md.
+
+The resolved config is `engine.settings` (typed, `ShardspeedConfig`; DeepSpeed's private `engine._config`
+is the same object, `engine.config` the dict as given). Parts are built from the blocks they need (the
+`zero_optimization` block, the precision plan, the monitoring blocks, ...), never from the engine.
 
 Attributes the engine does not have are looked up on the wrapped module, as DeepSpeed does
 (`engine.config_class` reads `engine.module.config_class`); see `__getattr__`.
@@ -30,6 +34,7 @@ from shardspeed.core.module_dtypes import cast_module
 from shardspeed.core.precision import PrecisionPlan
 from shardspeed.core.usage_errors import EngineUsageError
 from shardspeed.moe.parallelism import ExpertParallelism
+from shardspeed.monitor import MonitorMaster
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.compiler import ModuleCompiler
 from shardspeed.runtime.data import ShardedDataLoader
@@ -38,7 +43,7 @@ from shardspeed.runtime.engine_getters import ConfigGetters
 from shardspeed.runtime.engine_integrations import IntegrationMethods
 from shardspeed.runtime.observers import StepObservers
 from shardspeed.runtime.python_gc import ProcessSettings
-from shardspeed.runtime.stage_wrappers import wrap_optimizer
+from shardspeed.runtime.stage_wrappers import StageSettings, wrap_optimizer
 from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
 from shardspeed.sequence.engine_part import SequenceParallelism
 from shardspeed.utils.logging import log_dist
@@ -76,8 +81,8 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         collate_fn=None,
     ):
         super().__init__()
-        self._config = config
-        self.config = config.raw
+        self._config = config  # `settings` (engine_getters.py); DeepSpeed's private name, which scripts read
+        self.config = config.raw  # DeepSpeed's `engine.config`: the config as given
         self.mpu = mpu
         self.process_settings = ProcessSettings(config)  # log_level, disable_python_gc
         # Gradients are averaged, and ZeRO shards, over every rank holding the same parameters: the data ranks,
@@ -104,7 +109,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         apply_zero_leaf_module_config(self.module, config.zero_optimization.leaf_module)
         self.autocast = TorchAutocast.from_config(config, self.module, self.device)
         self.compiler = ModuleCompiler()
-        self.states = StateOffloader(self)
         # MoE layers: their expert groups are created here and experts start from their own group's values
         self.moe = ExpertParallelism.discover(
             self.module, mpu, self.dp_group, config.use_data_before_expert_parallelism
@@ -134,16 +138,21 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             # never steps (backward and step refuse without a real one).
             self.optimizer = self._wrap_optimizer(_gather_only_optimizer(self.module))
         self.basic_optimizer = client_optimizer
+        # offload_states(): moves the wrapper's state; the ZeRO block says what already lives on the host
+        self.states = StateOffloader(self.optimizer, self.device, config.zero_optimization)
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
 
         # the flops profiler reports backward and step latency, so it turns the timers on (as in DeepSpeed)
         self.timers = PhaseTimers(self.device, config.wall_clock_breakdown or config.flops_profiler.enabled)
         throughput = config.timers.throughput
         self.throughput = ThroughputMeter(self.device, throughput.enabled, throughput.synchronized)
-        self.observers = StepObservers(self, config)  # monitors, flops profiler, comms logger
+        self.monitor = MonitorMaster(config, self.global_rank)  # DeepSpeed's attribute
+        self.observers = StepObservers(  # monitors, flops profiler, comms logger
+            self.monitor, config.flops_profiler, config.comms_logger, timers=self.timers, module=self.module,
+            rank=self.global_rank, profiled_engine=self,
+        )  # fmt: skip
         self.compression = CompressionSchedule(self.module, config)  # compression_training's schedule
         self.compression_scheduler = self.compression.scheduler  # DeepSpeed's attribute
-        self.monitor = self.observers.monitor
         if self.global_rank == 0:
             log_dist(
                 f"engine ready: world_size={self.world_size} zero_stage={self.zero_optimization_stage()} "
@@ -190,20 +199,23 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer):
         """Wrap the torch optimizer in the stage's wrapper, which owns gradients, masters and the step."""
-        return wrap_optimizer(self, optimizer)
+        return wrap_optimizer(
+            self.module, optimizer, StageSettings.from_config(self._config), plan=self.plan,
+            group=self.dp_group, moe=self.moe, zeropp=self.zeropp,
+        )  # fmt: skip
 
     # -- the training loop ---------------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
         self.states.check_resident("forward")
         self.timers.start("forward")
-        self.observers.before_forward(self)
+        self.observers.before_forward(self.global_steps)
         self.compression.before_forward(self.global_steps)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs, kwargs = _cast_floating((inputs, kwargs), torch.float16)
         with self.autocast.context():
             out = self.module(*inputs, **kwargs)
-        self.observers.after_forward(self)
+        self.observers.after_forward()
         self.timers.stop("forward")
         return out
 
@@ -260,7 +272,10 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             self.global_samples += self.train_batch_size()
             self.throughput.add(self.train_batch_size())
             self.timers.stop("step")
-            self.observers.after_step(self, self._window_loss)
+            self.observers.after_step(
+                self.global_steps, self.global_samples, self._window_loss, self.get_lr(),
+                self.loss_scale() if self.fp16_enabled() else None,
+            )  # fmt: skip
             self._report_progress()
         self.micro_steps += 1
 
@@ -268,9 +283,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         every = self._config.steps_per_print
         loss, self._window_loss = self._window_loss, None
         if self._config.memory_breakdown and self.global_rank == 0:  # every step, as DeepSpeed's breakdown
-            log_dist(
-                f"memory at step {self.global_steps} (bytes on rank 0): {memory.measure(self).as_dict()}"
-            )
+            log_dist(f"memory at step {self.global_steps} (bytes on rank 0): {self.memory_breakdown()}")
         if not every or self.global_steps % every != 0 or self.global_rank != 0:
             return
         parts = [
@@ -376,15 +389,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
 
     # -- getters DeepSpeed users call ----------------------------------------------------------------------
 
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
     def get_batch_info(self):
         return self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
 
@@ -430,7 +434,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of parameters, gradients, fp32 masters, optimizer state and buffers on this rank."""
-        return memory.measure(self).as_dict()
+        return memory.measure(self.module, self.optimizer).as_dict()
 
     def destroy(self) -> None:
         """Remove gradient hooks so the module can be used (or wrapped again) without this engine, and delete

@@ -38,7 +38,7 @@ class EngineExtras:
     def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
                        non_blocking: bool = False) -> None:  # fmt: skip
         """Move optimizer state, fp32 masters, parameters and gradient buffers (or the `include`d kinds,
-        `OffloadStateTypeEnum`) to the host until `reload_states()` (runtime/zero/offload_states.py)."""
+        `OffloadStateTypeEnum`) to the host until `reload_states()` (zero/offload_states.py)."""
         self.states.offload(include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:

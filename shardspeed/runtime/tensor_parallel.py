@@ -1,10 +1,10 @@
 """The engine's tensor-parallel part: shards the model at `initialize`, and combines gradient norms.
 
 `TensorParallel.shard(model, grid, config)` makes every tensor rank start from tensor rank 0's full
-weights (one broadcast; meta tensors are skipped), then shards the model with AutoTP. `attach(engine)`
-installs the global-norm hook on the engine's optimizer wrapper. `tp_model_init` (DeepSpeed 0.19.8's
-`deepspeed.tp_model_init`) only records its arguments on the model, as in DeepSpeed; `merge_tp_model_init`
-merges them into the config's `tensor_parallel` block at `initialize`.
+weights (one broadcast; meta tensors are skipped), then shards the model with AutoTP.
+`attach(optimizer, device)` installs the global-norm hook on the engine's optimizer wrapper.
+`tp_model_init` (DeepSpeed 0.19.8's `deepspeed.tp_model_init`) only records its arguments on the model, as
+in DeepSpeed; `merge_tp_model_init` merges them into the config's `tensor_parallel` block at `initialize`.
 
 Gradient norm: the wrapper's norm on tensor rank r covers this rank's shards (S_r) and the replicated
 parameters (R, identical on every tensor rank, since their inputs and incoming gradients are). The global
@@ -89,7 +89,8 @@ class TensorParallel:
         self.report = report
         self.partitions = partitions_of(model)  # state-dict name -> TPPartition
         self.replicated = [p for p in model.parameters() if getattr(p, "tp_partition", None) is None]
-        self.engine = None
+        self.optimizer = None  # the stage wrapper whose gradient norm this completes (`attach`)
+        self.device = None
         # parameters handed to initialize before sharding -> their sharded replacements, by name
         current = dict(model.named_parameters(remove_duplicate=False))
         self._replacement = {i: current[n] for i, n in (old_names or {}).items() if n in current}
@@ -132,26 +133,26 @@ class TensorParallel:
         for group in optimizer.param_groups:
             group["params"] = [self._replacement.get(id(p), p) for p in group["params"]]
 
-    def attach(self, engine) -> None:
-        self.engine = engine
-        engine.tensor_parallel = self
-        if engine.optimizer is not None:
-            engine.optimizer.global_norm_hook = self.global_norm
+    def attach(self, optimizer, device: torch.device) -> None:
+        """Complete the norms of the stage wrapper `optimizer` (None: none) whose gradients live on `device`."""
+        self.optimizer, self.device = optimizer, device
+        if optimizer is not None:
+            optimizer.global_norm_hook = self.global_norm
 
     # -- gradient norm --------------------------------------------------------------------------------------
 
     def global_norm(self, local_norm: float) -> float:
         replicated = self._replicated_square()
         share = local_norm**2 - (self.size - 1) / self.size * replicated
-        total = torch.tensor([share], dtype=torch.float64, device=self.engine.device)  # NCCL needs the device
+        total = torch.tensor([share], dtype=torch.float64, device=self.device)  # NCCL needs the device
         dist.all_reduce(total, group=self.group)
         value = total.item()
         return value if math.isnan(value) or math.isinf(value) else math.sqrt(max(value, 0.0))
 
     def _replicated_square(self) -> float:
-        wrapper = self.engine.optimizer
+        wrapper = self.optimizer
         replicated = {id(p) for p in self.replicated}
-        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         if hasattr(wrapper, "reducer"):  # stage 0: whole averaged buckets
             for bucket in wrapper.reducer.buckets:
                 for p, view in zip(bucket.params, bucket.views):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from shardspeed.config.zero import ZeroConfig
 from shardspeed.core.flat_params import _moved
 from shardspeed.zero.offload_kinds import OffloadDeviceEnum, OffloadStateTypeEnum
 
@@ -26,10 +27,14 @@ _GRADS = {OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_bu
 
 
 class StateOffloader:
-    """The engine's part that moves its state kinds between the device and the host."""
+    """The engine's part that moves its state kinds between the device and the host: the state of the stage
+    wrapper `optimizer` (None: the engine has none), whose home is `device`. `zero` is the
+    `zero_optimization` block, whose offload settings decide what may move."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, optimizer, device: torch.device, zero: ZeroConfig):
+        self.optimizer = optimizer
+        self.device = device
+        self.zero = zero
         self.offloaded: set[OffloadStateTypeEnum] = set()
 
     def offload(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
@@ -46,10 +51,10 @@ class StateOffloader:
     def reload(self, non_blocking: bool = False) -> None:
         if not self.offloaded:
             return
-        self._move(self.offloaded, self.engine.device, False, non_blocking)
+        self._move(self.offloaded, self.device, False, non_blocking)
         self.offloaded = set()
-        if non_blocking and self.engine.device.type == "cuda":
-            torch.cuda.current_stream(self.engine.device).synchronize()
+        if non_blocking and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def check_resident(self, what: str) -> None:
         """Refuse training while state is away (the engine calls this before forward/backward/step)."""
@@ -62,28 +67,28 @@ class StateOffloader:
     # -- helpers -------------------------------------------------------------------------------------------
 
     def _kinds(self, include) -> set[OffloadStateTypeEnum]:
-        engine = self.engine
-        if engine.optimizer is None:
+        if self.optimizer is None:
             raise ValueError("offload_states needs an optimizer (initialize() was given none)")
-        param_offload = engine.zero_offload_param()
+        param_offload = self.zero.offload_param
         if param_offload is not None and param_offload.device != "none":
             raise ValueError(
                 "offload_states is not supported with zero_optimization.offload_param (parameters already live "
                 f"on {param_offload.device!r})"
             )
         kinds = {OffloadStateTypeEnum(k) for k in (include if include is not None else OffloadStateTypeEnum)}
-        if engine.zero_use_cpu_optimizer():  # already on the host
+        on_host = self.zero.offload_optimizer
+        if on_host is not None and on_host.device in ("cpu", "nvme"):  # optimizer offload: already there
             kinds -= {OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states}
         return kinds
 
     def _move(self, kinds, device: torch.device, pin: bool, non_blocking: bool) -> None:
-        for wrapper in _stage_wrappers(self.engine.optimizer):
+        for wrapper in _stage_wrappers(self.optimizer):
             if OffloadStateTypeEnum.optim_states in kinds:
                 _move_optimizer_state(wrapper.optimizer, device, pin, non_blocking)
             if OffloadStateTypeEnum.hp_params in kinds:
                 _move_masters(wrapper, device, pin, non_blocking)
             if OffloadStateTypeEnum.lp_params in kinds:
-                _move_params(self.engine, wrapper, device, pin, non_blocking)
+                _move_params(wrapper, device, pin, non_blocking)
             if kinds & _GRADS:
                 grads = wrapper.reducer if wrapper.zero_stage == 0 else wrapper.grads
                 grads.move_to(device, pin, non_blocking)
@@ -134,7 +139,7 @@ def _rekey(optimizer, remap: dict) -> None:
             optimizer.state[new] = optimizer.state.pop(old)
 
 
-def _move_params(engine, wrapper, device, pin, non_blocking) -> None:
+def _move_params(wrapper, device, pin, non_blocking) -> None:
     if wrapper.zero_stage == 0:
         for bucket in wrapper.reducer.buckets:
             for p in bucket.params:

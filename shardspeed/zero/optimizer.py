@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat, all_reduce
+from shardspeed.config.zero import ZeroConfig
+from shardspeed.core import partitioned
 from shardspeed.core.flat_params import FlatParamBucket
 from shardspeed.core.grad_buckets import BucketedAllReducer, bucket_layout, comm_dtype_of
 from shardspeed.core.optimizer_wrapper import OptimizerWrapper
@@ -433,34 +435,52 @@ class ZeroOptimizer(OptimizerWrapper):
             self.optimizer.state.pop(master, None)
 
 
-def zero_stage_1_2(optimizer, named_params, *, stage: int, bucket_numel: int, allgather_numel: int, plan, scaler,
-                   gradient_clipping, group=None, offload=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
-    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm,
-    average."""
+def _sub_group_numel(zero: ZeroConfig, group) -> int:
+    """`sub_group_size` bounds the elements one optimizer step sees per rank: each bucket or unit is at most
+    `sub_group_size` elements per rank."""
+    return int(zero.sub_group_size) * dist.get_world_size(group)
+
+
+def zero_stage_1_2(optimizer, named_params, zero: ZeroConfig, *, plan: PrecisionPlan, scaler: LossScaler,
+                   gradient_clipping: float, group=None, offload=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
+    """The stage 1 or 2 wrapper (`zero.stage`) with the bucket sizes and reduction switches of the
+    `zero_optimization` block. `reduce_options`: prescale_gradients, gradient_predivide_factor, average."""
     by_comm_dtype = lambda p: comm_dtype_of(p, plan.comm_dtype)  # noqa: E731
+    bucket_numel = min(int(zero.reduce_bucket_size), _sub_group_numel(zero, group))
     buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group, by_comm_dtype)
     reduce_kwargs = dict(
-        accum_dtype=plan.grad_accum_dtype, comm_dtype=plan.comm_dtype, group=group, **reduce_options
-    )
-    if stage == 1:
+        accum_dtype=plan.grad_accum_dtype, comm_dtype=plan.comm_dtype, group=group,
+        overlap_comm=bool(zero.overlap_comm), use_reduce_scatter=bool(zero.reduce_scatter), **reduce_options,
+    )  # fmt: skip
+    if zero.stage == 1:
         grads = BucketedAllReducer([b.params for b in buckets], sharded=True, **reduce_kwargs)
     else:
         grads = ShardedGradReducer(buckets, **reduce_kwargs)
-    return ZeroOptimizer(
-        optimizer, buckets, grads, stage=stage, plan=plan, scaler=scaler, gradient_clipping=gradient_clipping,
-        group=group, allgather_numel=allgather_numel, offload=offload,
+    wrapper = ZeroOptimizer(
+        optimizer, buckets, grads, stage=zero.stage, plan=plan, scaler=scaler,
+        gradient_clipping=gradient_clipping, group=group, allgather_numel=int(zero.allgather_bucket_size),
+        offload=offload,
     )  # fmt: skip
+    wrapper.compute_grad_norm = zero.compute_grad_norm
+    return wrapper
 
 
-def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int, persistence_threshold: int,
-                 model_persistence_threshold: int, prefetch_numel: int, max_live_numel: int,
-                 max_reuse_distance: int, plan, scaler, gradient_clipping, group=None, offload=None,
-                 param_tier=None, owned: set[int] | None = None, allgather_sequential: bool = False,
-                 fetch_with_all_reduce: bool = False, log_order_changes: bool = False, zeropp=None,
-                 **reduce_options) -> ZeroOptimizer:  # fmt: skip
-    """`reduce_options`: prescale_gradients, gradient_predivide_factor, use_reduce_scatter, overlap_comm,
-    average. `owned`: ids of the module parameters this wrapper partitions (None: all; MoE: one reduction
-    domain). `zeropp`: ZeRO++'s gather paths and gradient reduction (zero/zeropp/), or None."""
+def _stage3_unit_numel(zero: ZeroConfig, module: nn.Module, group) -> int:
+    """Largest unit gathered whole: the prefetch/bucket/sub-group sizes, and at most a quarter of the
+    model, so that even a small model spans several units and gathers overlap the compute of earlier ones."""
+    total = sum(partitioned.logical_numel(p) for p in {id(p): p for p in module.parameters()}.values())
+    limits = (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size, _sub_group_numel(zero, group))
+    return int(min(*limits, max(1, total // 4)))
+
+
+def zero_stage_3(module: nn.Module, optimizer, named_params, zero: ZeroConfig, *, plan: PrecisionPlan,
+                 scaler: LossScaler, gradient_clipping: float, group=None, offload=None, param_tier=None,
+                 owned: set[int] | None = None, zeropp=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
+    """The stage 3 wrapper, its units sized and its gathers, prefetch and persistence set by the
+    `zero_optimization` block. `reduce_options`: prescale_gradients, gradient_predivide_factor, average.
+    `owned`: ids of the module parameters this wrapper partitions (None: all; MoE: one reduction domain).
+    `param_tier`: `offload_param`'s home for released shards, or None. `zeropp`: ZeRO++'s gather paths and
+    gradient reduction (zero/zeropp/), or None."""
     names = {p: n for n, p in module.named_parameters()}
     units = build_units(
         module,
@@ -468,11 +488,11 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         names,
         owned=owned,
         split_by=lambda p: comm_dtype_of(p, plan.comm_dtype),
-        allgather_sequential=allgather_sequential,
-        fetch_with_all_reduce=fetch_with_all_reduce,
-        unit_numel=unit_numel,
-        persistence_threshold=persistence_threshold,
-        model_persistence_threshold=model_persistence_threshold,
+        allgather_sequential=zero.stage3_allgather_sequential,
+        fetch_with_all_reduce=zero.stage3_use_all_reduce_for_fetch_params,
+        unit_numel=_stage3_unit_numel(zero, module, group),
+        persistence_threshold=int(zero.stage3_param_persistence_threshold),
+        model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
         group=group,
         tier=param_tier,
         weights=zeropp.weights if zeropp is not None else None,
@@ -480,11 +500,11 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
     coordinator = Stage3Coordinator(
         module,
         units,
-        prefetch_numel=prefetch_numel,
-        max_live_numel=max_live_numel,
-        max_reuse_distance=max_reuse_distance,
+        prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+        max_live_numel=int(zero.stage3_max_live_parameters),
+        max_reuse_distance=int(zero.stage3_max_reuse_distance),
         tier=param_tier,
-        log_order_changes=log_order_changes,
+        log_order_changes=zero.log_trace_cache_warnings,
     )
     trainable = [u for u in units if u.group_index is not None]
     grads = ShardedGradReducer(
@@ -494,6 +514,8 @@ def zero_stage_3(module: nn.Module, optimizer, named_params, *, unit_numel: int,
         group=group,
         on_grads_staged=coordinator.on_unit_grads_staged,
         quantized_reduce=zeropp.gradients if zeropp is not None else None,
+        overlap_comm=bool(zero.overlap_comm),
+        use_reduce_scatter=bool(zero.reduce_scatter),
         **reduce_options,
     )
     wrapper = ZeroOptimizer(
