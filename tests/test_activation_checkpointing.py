@@ -317,7 +317,12 @@ def test_checkpointed_training_equals_plain_under_every_zero_stage(two_rank_resu
         losses = rank["engine"]
         reference = losses[("plain", 0)]
         assert len(set(reference)) == 3  # it trains
-        assert all(run == reference for run in losses.values()), losses  # bit-identical, dropout included
+        for (name, stage), run in losses.items():
+            # checkpointing changes nothing: bit-identical to plain training at the same stage, dropout included
+            assert run == losses[("plain", stage)], (name, stage, losses)
+            # across stages only up to rounding: stage 0 reduces and steps whole buckets, stages 2-3 shards, and
+            # on some CPUs (seen on an AMD EPYC) their losses part in the last bits after the first step
+            assert run == pytest.approx(reference, rel=1e-6, abs=0), (name, stage, losses)
 
 
 def test_partition_activations_over_a_two_rank_group(two_rank_results):
