@@ -258,19 +258,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self.timers.start("step")
-            self._step_applied = self.optimizer.step()
-            if self._step_applied:
-                self.compression.after_step()
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            else:
-                self.skipped_steps += 1
-                log_dist(
-                    f"gradient overflow (inf/nan): step skipped, loss scale is now {self.optimizer.loss_scale}"
-                )
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            self.throughput.add(self.train_batch_size())
+            self._optimizer_step(lr_kwargs, "gradient overflow (inf/nan): step skipped")
             self.timers.stop("step")
             self.observers.after_step(
                 self.global_steps, self.global_samples, self._window_loss, self.get_lr(),
@@ -278,6 +266,20 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             )  # fmt: skip
             self._report_progress()
         self.micro_steps += 1
+
+    def _optimizer_step(self, lr_kwargs: dict | None, overflow_message: str) -> None:
+        """The boundary step and its bookkeeping (the pipeline engine's OptimizerStep instruction too)."""
+        self._step_applied = self.optimizer.step()
+        if self._step_applied:
+            self.compression.after_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+            log_dist(f"{overflow_message}, loss scale is now {self.optimizer.loss_scale}")
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.throughput.add(self.train_batch_size())
 
     def _report_progress(self) -> None:
         every = self._config.steps_per_print

@@ -370,20 +370,8 @@ class PipelineEngine(ShardspeedEngine):
             state.inputs.pop(key, None)
 
     def _exec_optimizer_step(self, micro_batches: int) -> None:
-        self._step_applied = self.optimizer.step()
-        if self._step_applied:
-            self.compression.after_step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        else:
-            self.skipped_steps += 1
-            log_dist(
-                f"fp16 overflow: step skipped on every stage, loss scale is now {self.optimizer.loss_scale}"
-            )
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self._optimizer_step(None, "fp16 overflow: step skipped on every stage")
         self.micro_steps += micro_batches
-        self.throughput.add(self.train_batch_size())
 
     # -- checkpoints: the engine's save/load, with this stage's layer files (pipe/checkpoint.py) -------------
 
