@@ -38,14 +38,11 @@ def _gathered_state_dict(units: list) -> dict[str, torch.Tensor]:
     state = {}
     keep = dist.get_rank() == 0
     for unit in units:
-        unit.gather()
-        unit.refs += 1
+        unit.hold()
         if keep:
             for name, p in zip(unit.names, unit.params):
                 state[name] = p.detach().to("cpu", copy=True)
-        unit.refs -= 1
-        if unit.refs == 0:
-            unit.free()
+        unit.let_go()
     return state
 
 

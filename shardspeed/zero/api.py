@@ -45,8 +45,7 @@ class GatheredParameters:
 
     def __enter__(self):
         for unit in self.units:
-            unit.gather()
-            unit.refs += 1
+            unit.hold()
         for param in self.init_params:
             partitioned.gather(param)
         return self
@@ -63,9 +62,7 @@ class GatheredParameters:
                 unit.shard.copy_(unit.flat[unit.rank * unit.shard_numel : (unit.rank + 1) * unit.shard_numel])
                 if unit.on_modified is not None:
                     unit.on_modified()
-            unit.refs -= 1
-            if unit.refs == 0:
-                unit.free(keep_taken_views=True)
+            unit.let_go(keep_taken_views=True)
         return False
 
 
@@ -187,14 +184,11 @@ def unwrap_model_for_generation(model):
         return
     units = sorted(coordinator.units, key=lambda u: u.names[0])
     for unit in units:
-        unit.gather()
-        unit.refs += 1
+        unit.hold()
     coordinator.paused = True
     try:
         yield module
     finally:
         coordinator.paused = False
         for unit in units:
-            unit.refs -= 1
-            if unit.refs == 0:
-                unit.free()
+            unit.let_go()

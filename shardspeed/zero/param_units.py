@@ -206,6 +206,18 @@ class ParamUnit(FlatParamBucket):
         """Nothing holds the unit: no module is inside its forward and its backward is not waiting for it."""
         return self.refs == 0 and self.awaiting is Awaiting.NOTHING
 
+    def hold(self) -> None:
+        """Gather the unit (waiting for the data) and keep it gathered until the matching `let_go`; holds
+        nest (a `GatheredParameters` block inside a module's forward, an export during generation)."""
+        self.gather()
+        self.refs += 1
+
+    def let_go(self, keep_taken_views: bool = False) -> None:
+        """End one `hold`; the last one releases the unit."""
+        self.refs -= 1
+        if self.refs == 0:
+            self.free(keep_taken_views=keep_taken_views)
+
     def expect_gradients(self) -> None:
         """A backward through the unit has begun: keep its full values until its gradients are staged."""
         if self.group_index is None:
