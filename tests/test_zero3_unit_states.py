@@ -149,6 +149,8 @@ def _engine_statuses(tied: bool) -> dict:
         engine.backward(loss())
         engine.step()
         seen[f"after step {step}"] = _truth(engine)
+    loss()  # a training forward whose backward never comes (a step abandoned)
+    seen["after training forward"] = _truth(engine)
     engine.eval()
     with torch.no_grad():
         loss()
@@ -166,10 +168,105 @@ def test_ds_status_tells_the_truth_after_training_and_eval(tied):
                 assert agrees, f"{moment}: {name} is {status} while its unit is {state}"
         for moment in ("after step 0", "after step 1", "after empty_partition_cache"):
             assert {s for s, *_ in seen[moment].values()} == {"NOT_AVAILABLE"}, seen[moment]
-        eval_states = {state for _, _, state, _ in seen["after eval forward"].values()}
-        if not tied:  # the last unit lingers until the next gather needs room; every prefetch was used
-            assert "GATHERING" not in eval_states, seen["after eval forward"]
-        # With a tied head, the head's pre-forward prefetches the units recorded after the embedding's unit
-        # (every block), which this eval forward released already and never uses again: they stay INFLIGHT
-        # (gathers started, never waited on, parameters empty) until the next backward's end or
-        # empty_partition_cache. The status says so; what the prefetch should do there is another matter.
+        # An eval forward leaves nothing in flight and nothing gathered (nothing is persistent here), as
+        # DeepSpeed after a no-grad forward: before, a tied head prefetched every block again and left them
+        # INFLIGHT with empty data until the next backward.
+        assert {s for s, *_ in seen["after eval forward"].values()} == {"NOT_AVAILABLE"}, seen[
+            "after eval forward"
+        ]
+        training = seen["after training forward"]
+        assert "INFLIGHT" not in {s for s, *_ in training.values()}, training
+
+
+def _deepspeed_chat_save(tmp: str) -> dict:
+    """DeepSpeed-Chat's `save_zero_three_model` (utils.py), as it is written there: it gathers only the
+    parameters whose status is NOT_AVAILABLE and reads `.data` of the rest. Run after training steps and an
+    eval pass, as its step-1 script does."""
+    import shardspeed as deepspeed
+    from shardspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from models import TinyGPT, token_batches
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+    }  # fmt: skip
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=TinyGPT(layers=3), config=config)
+    batches = token_batches(3, 2)
+    for batch in batches[:2]:
+        engine.train()
+        engine.backward(engine(batch))
+        engine.step()
+        engine.eval()
+        with torch.no_grad():
+            engine(batches[2])
+
+    def z3_params_to_fetch(params):
+        return [p for p in params if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+    saved = {}
+    for name, v in engine.module.named_parameters():
+        if hasattr(v, "ds_id"):
+            with deepspeed.zero.GatheredParameters(z3_params_to_fetch([v]), enabled=True):
+                v_p = v.data.cpu()
+        else:
+            v_p = v.cpu()
+        saved[name] = v_p
+    reference = engine._zero3_consolidated_16bit_state_dict()  # gathers unit by unit, whatever the status
+    differ = [] if reference is None else [n for n, t in saved.items() if not torch.equal(t, reference[n])]
+    return {"shapes": {n: tuple(t.shape) for n, t in saved.items()}, "differ": differ}
+
+
+def test_deepspeed_chat_zero3_save_after_train_and_eval_writes_every_weight(tmp_path):
+    for rank, result in enumerate(run_ranks(_deepspeed_chat_save, 2, str(tmp_path))):
+        shapes = result["shapes"]
+        assert len(shapes) == 34, shapes  # TinyGPT(layers=3): every parameter, the tied head once
+        empty = [n for n, shape in shapes.items() if 0 in shape]
+        assert not empty, f"rank {rank}: {len(empty)} of {len(shapes)} tensors empty: {empty}"
+        assert not result["differ"], (
+            f"rank {rank}: differ from the engine's 16-bit export: {result['differ']}"
+        )
+
+
+def _export_of_released_weights() -> str:
+    """An export must refuse a ZeRO-3 parameter whose data is empty rather than write it."""
+    import shardspeed
+    from shardspeed.checkpoint.export import _refuse_partial_weights
+
+    from harness import error_text
+
+    engine, *_ = shardspeed.initialize(
+        model=_MLP(), config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+    )  # fmt: skip
+    released = {n: p.data for n, p in engine.module.named_parameters()}  # empty: every unit is released
+    return error_text(lambda: _refuse_partial_weights(engine.module, released))
+
+
+def test_an_export_refuses_a_released_zero3_parameter():
+    for message in run_ranks(_export_of_released_weights, 2):
+        assert message.startswith("CheckpointError: refusing to export 6 ZeRO-3 parameter(s)"), message
+        assert "layers.0.weight (0,) (full shape (16, 8))" in message, message
+
+
+def _gathered_parameters_of_foreign_param() -> str:
+    import shardspeed
+
+    from harness import error_text
+
+    param = nn.Parameter(torch.empty(0))
+    param.ds_id, param.ds_shape = 12345, torch.Size([4, 4])  # marked as ZeRO-3 but owned by nothing here
+
+    def enter():
+        with shardspeed.zero.GatheredParameters([param]):
+            pass
+
+    return error_text(enter)
+
+
+def test_gathered_parameters_refuses_to_hand_out_an_empty_zero3_parameter():
+    message = run_ranks(_gathered_parameters_of_foreign_param, 1)[0]
+    assert message == "RuntimeError: GatheredParameters could not gather 1 parameter(s): ds_id 12345 (4, 4)"

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.checkpoint import files
+from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.model_states import shared_params
 from shardspeed.utils.logging import log_dist
 
@@ -81,7 +82,23 @@ def consolidated_16bit_state_dict(
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 state.pop(name, None)
+    _refuse_partial_weights(module, state)
     return state
+
+
+def _refuse_partial_weights(module, state: dict) -> None:
+    """Never hand out a weight smaller than the parameter it stands for: a ZeRO-3 parameter's `.data` is
+    empty while released, and an export that picked that up would write a file that loads as garbage."""
+    wrong = [
+        f"{name} {tuple(state[name].shape)} (full shape {tuple(p.ds_shape)})"
+        for name, p in module.named_parameters(remove_duplicate=False)
+        if name in state and hasattr(p, "ds_shape") and tuple(state[name].shape) != tuple(p.ds_shape)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"refusing to export {len(wrong)} ZeRO-3 parameter(s) that are not gathered in full: "
+            + ", ".join(wrong[:5])
+        )
 
 
 def save_16bit_model(source: WeightsSource, save_dir, save_filename: str = "pytorch_model.bin",

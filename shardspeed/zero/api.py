@@ -34,6 +34,7 @@ class GatheredParameters:
         del fwd_module  # accepted for DeepSpeed compatibility
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
+        self.params = params if enabled else []
         self.units = []
         if enabled:
             units = {
@@ -48,6 +49,11 @@ class GatheredParameters:
             unit.hold()
         for param in self.init_params:
             partitioned.gather(param)
+        missing = [p for p in self.params if hasattr(p, "ds_shape") and p.shape != p.ds_shape]
+        if missing:  # a ZeRO-3 parameter no engine or zero.Init owns here: its empty data must not be read
+            names = ", ".join(f"ds_id {p.ds_id} {tuple(p.ds_shape)}" for p in missing[:5])
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"GatheredParameters could not gather {len(missing)} parameter(s): {names}")
         return self
 
     def __exit__(self, *exc):

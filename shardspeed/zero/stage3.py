@@ -50,6 +50,7 @@ class Stage3Coordinator:
                  max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  tier=None, log_order_changes: bool = False):  # fmt: skip
         self.units = units
+        self.root = root
         self.log_order_changes = log_order_changes  # DeepSpeed's `log_trace_cache_warnings`
         self.steps = 0
         self.tier = tier  # parameter offload (swap/param_swapper.py), or None
@@ -59,6 +60,7 @@ class Stage3Coordinator:
         self.live = units[0].live if units else LiveNumel()  # shared by all units (build_units)
         self.order: list[ParamUnit] = []  # first gathers of the previous step, in order
         self._position: dict[int, int] = {}
+        self._cursor = -1  # the furthest position in `order` this forward has gathered
         self._reuse_distance: dict[int, int] = {}  # unit id -> elements gathered between forward and backward
         self._kept: list[ParamUnit] = []  # released in forward but kept gathered for their backward
         self._this_step: list[ParamUnit] = []
@@ -130,8 +132,13 @@ class Stage3Coordinator:
             self.stack.append(module)
             for unit in units:
                 self._acquire(unit)
-            if units:
-                self._prefetch_after(units[-1], step=1)
+            # Prefetch after the furthest point this forward has reached in the recorded order: a module that
+            # uses an earlier unit again (a head tied to the embedding) must not prefetch what followed that
+            # unit, which has run already and would be gathered for nothing.
+            positions = [self._position[id(u)] for u in units if id(u) in self._position]
+            if positions and max(positions) > self._cursor:
+                self._cursor = max(positions)
+                self._prefetch_from(self._cursor, step=1)
 
         return pre_forward
 
@@ -149,8 +156,29 @@ class Stage3Coordinator:
             if torch.is_grad_enabled() and units:
                 for tensor in _output_tensors(output):
                     tensor.register_hook(self._make_pre_backward(units))
+            if module is self.root:
+                self._end_of_forward()
 
         return post_forward
+
+    def _end_of_forward(self) -> None:
+        """Leave no gather in flight once the model's forward returns, so `ds_status` outside a forward is
+        AVAILABLE (full data) or NOT_AVAILABLE, never INFLIGHT with empty data: code that gathers only the
+        NOT_AVAILABLE parameters (DeepSpeed-Chat's ZeRO-3 save, EMA and LoRA fusion) would read empty tensors.
+
+        With no backward to follow (`torch.no_grad()`, eval), every unit nothing holds is released, as
+        DeepSpeed does after an eval forward; a training forward keeps what its backward will reuse and only
+        finishes the prefetches it never used (released at the end of backward, as before)."""
+        self._cursor = -1
+        if torch.is_grad_enabled():
+            for unit in self.units:
+                if unit.state is UnitState.GATHERING and unit.refs == 0:
+                    unit.wait_for_gather()
+            return
+        self._lingering, self._kept = None, []
+        for unit in self.units:
+            if unit.idle and not unit.persistent:
+                unit.free()  # waits for a gather in flight first
 
     def _make_pre_backward(self, units: list[ParamUnit]):
         def pre_backward(grad):
@@ -158,7 +186,9 @@ class Stage3Coordinator:
                 unit.gather(for_training=True)  # if released; waits on a gather in flight; else nothing
                 if unit.group_index is not None:  # frozen units wait for end_of_backward instead
                     unit.expect_gradients()
-            self._prefetch_after(units[0], step=-1)
+            position = self._position.get(id(units[0]))
+            if position is not None:
+                self._prefetch_from(position, step=-1)
             return grad
 
         return pre_backward
@@ -212,13 +242,13 @@ class Stage3Coordinator:
         while 0 <= index < len(self.order) and self.order[index].prefetch_shard():
             index += step
 
-    def _prefetch_after(self, unit: ParamUnit, step: int) -> None:
-        """Start gathering the units that followed (forward, step 1) or preceded (backward, step -1) `unit`
-        last step, up to `prefetch_numel` elements ahead and within the live budget."""
-        position = self._position.get(id(unit))
-        if self.tier is not None and position is not None:
+    def _prefetch_from(self, position: int, step: int) -> None:
+        """Start gathering the units that followed (forward, step 1) or preceded (backward, step -1) the
+        unit at `position` of last step's order, up to `prefetch_numel` elements ahead and within the live
+        budget."""
+        if self.tier is not None:
             self._read_ahead(position, step)
-        if not self.prefetch_numel or position is None:
+        if not self.prefetch_numel:
             return
         ahead = 0
         index = position + step
@@ -245,7 +275,7 @@ class Stage3Coordinator:
 
     def end_of_backward(self) -> None:
         """Release everything still gathered (unused parameters, frozen ones, wrong prefetch guesses)."""
-        self._lingering, self._kept = None, []
+        self._lingering, self._kept, self._cursor = None, [], -1
         for unit in self.units:
             unit.gradients_done()
             if unit.refs == 0:
