@@ -199,6 +199,7 @@ class PipelineEngine(ShardspeedEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         micro_batches = self.gradient_accumulation_steps()
+        self.tput_timer.start()
         state = _BatchState(self._read_batches(micro_batches, "train_batch"))
         self.timers.start("train_batch")
         if self.chunks == 1:
@@ -212,6 +213,7 @@ class PipelineEngine(ShardspeedEngine):
         self.timers.stop("train_batch")
         self._window_loss = loss
         self._report_progress()
+        self.tput_timer.stop(global_step=True, report_speed=self.global_rank == 0)
         return loss
 
     @torch.no_grad()
