@@ -1,5 +1,12 @@
 """Training data: a DataLoader that gives each data-parallel rank its own shard, and `RepeatingLoader`.
 
+The order is DeepSpeed's: `DistributedSampler` over the data-parallel ranks with its default seed 0, shuffled
+on the training route and in order elsewhere (the pipeline engine reads in order too; see
+`pipeline_engine.py`); the sampler never drops samples (it pads the last round with the first ones) and
+`drop_last` drops the last incomplete batch, as DeepSpeed's loader does. One difference: DeepSpeed never
+calls `set_epoch`, so every epoch repeats the first epoch's permutation; here epoch e uses the permutation of
+seed 0 + e (epoch 0 is DeepSpeed's), as PyTorch's sampler documentation asks.
+
 `sampler_state(loader)` is the loader's checkpoint part: its epoch under `data_sampler`."""
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ class ShardedDataLoader:
         elif data_sampler is not None:
             self.sampler = data_sampler
         else:
+            # drop_last stays the loader's: DeepSpeed's sampler pads, so every rank gets as many samples
             self.sampler = DistributedSampler(
-                dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+                dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
             )
         self.loader = DataLoader(
             dataset,

@@ -26,6 +26,7 @@ from shardspeed.config import ConfigError
 from shardspeed.pipe import schedule as sched
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.pipe.p2p import Link
+from shardspeed.runtime.data import RepeatingLoader
 from shardspeed.runtime.engine import ShardspeedEngine
 from shardspeed.utils.logging import log_dist
 
@@ -138,7 +139,8 @@ class PipelineEngine(ShardspeedEngine):
         self.batch_fn = None
         self.agg_additional_losses = None  # get_additional_losses(): the last train_batch's, on every stage
         if self.training_dataloader is not None:
-            self.set_dataloader(self.training_dataloader)
+            # as DeepSpeed: training_data never runs dry, the next epoch follows the last (in the same order)
+            self.set_dataloader(RepeatingLoader(self.training_dataloader))
         if self.optimizer is not None:
             self.optimizer.global_norm_hook = self._pipeline_norm
             reducer = getattr(self.optimizer, "reducer", None) or self.optimizer.grads
@@ -146,6 +148,12 @@ class PipelineEngine(ShardspeedEngine):
             self._grad_view = {p: v for b in reducer.buckets for p, v in zip(b.params, b.views)}
         log_dist(f"pipeline engine: stages={self.num_stages} partition={model.parts} micro_batches="
                  f"{self.gradient_accumulation_steps()}")  # fmt: skip
+
+    def _make_dataloader(self, dataset, collate_fn):
+        """`training_data` in order, split over the data-parallel ranks (DeepSpeed's pipeline engine gives
+        `deepspeed_io` a sampler without shuffling): the first stage (inputs) and the last (labels) read the same
+        samples. Not timed per batch: the throughput timer spans each `train_batch`."""
+        return self._sharded_loader(dataset, collate_fn=collate_fn, shuffle=False)
 
     def _make_links(self) -> dict[int, Link]:
         """One link per part boundary this rank's chunks touch; boundary b lies between parts b - 1 and b, and
