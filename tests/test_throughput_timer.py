@@ -251,6 +251,27 @@ def _dschat_jobs() -> dict:
     engine.set_train_batch_size(MICRO * WORLD * 4)
     out["own loader"]["batch after set"] = timer.batch_size
 
+    # DeepSpeed-Chat's DPO step: a reference engine without an optimizer runs inside the policy's micro-step
+    clock = FakeClock()
+    engine, _ = _engine(clock)
+    ref, *_ = shardspeed.initialize(
+        model=_ClockedModel(clock),
+        config={"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS},
+    )
+    ref.eval()
+    dpo_data = DataLoader(dataset, sampler=DistributedSampler(dataset), batch_size=MICRO)
+    for _epoch in range(2):
+        for batch in dpo_data:
+            loss = engine(**batch)
+            with torch.no_grad():
+                ref(**batch)
+            engine.backward(loss)
+            engine.step()
+    out["dpo"] = {
+        "rate": engine.tput_timer.avg_samples_per_sec(),
+        "ref steps": ref.tput_timer.global_step_count,
+    }
+
     # the engine's own training_data loader: fetching a batch starts the micro-step, so loading counts
     lines.clear()
     clock = FakeClock()
@@ -287,6 +308,13 @@ def test_dschat_loop_reports_samples_per_second_of_its_micro_steps(dschat_result
     line = dschat_results[0]["own loader"]["lines"][0]
     assert line.startswith("epoch=1/micro_step=4/global_step=4, ")
     assert _field(line, "CurrSamplesPerSec") == batch / (GAS * FORWARD_SECONDS)
+
+
+def test_dpo_loop_counts_the_reference_forward_in_the_policys_micro_step(dschat_results):
+    batch = MICRO * GAS * WORLD
+    for out in dschat_results:
+        assert out["dpo"]["rate"] == batch / (GAS * 2 * FORWARD_SECONDS)
+        assert out["dpo"]["ref steps"] == 0  # forwards only: never a step
 
 
 def test_engine_training_loader_counts_loading(dschat_results):

@@ -4,8 +4,8 @@ The engine itself holds little logic. It owns the wrapped module and the counter
 gradient averaging and the optimizer step to the stage's optimizer wrapper (`runtime/stage_wrappers.py`
 builds it), loss scaling to `core/precision.py`, the module's dtypes to `core/module_dtypes.py`,
 `torch_autocast` to `core/autocast.py`, `compile()` to `runtime/compiler.py`, `offload_states()` to
-`zero/offload_states.py`, data to `runtime/data.py`, checkpoints to `checkpoint/`, and DeepSpeed's
-config getters to `runtime/engine_getters.py`. See docs/architecture.md.
+`zero/offload_states.py`, data to `runtime/data.py`, samples/s (`tput_timer`) to `runtime/throughput.py`,
+checkpoints to `checkpoint/`, and DeepSpeed's config getters to `runtime/engine_getters.py`. See docs/architecture.md.
 
 The resolved config is `engine.settings` (typed, `ShardspeedConfig`; DeepSpeed's private `engine._config`
 is the same object, `engine.config` the dict as given). Parts are built from the blocks they need (the
