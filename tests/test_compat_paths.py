@@ -344,9 +344,12 @@ def test_log_level_as_deepspeed_reads_and_keeps_it():
 
 def test_comms_logger_answers_deepspeeds_queries_without_reordering_records():
     from shardspeed.comm.logger import CommsLogger, trim_mean
+    from shardspeed.runtime.throughput import ThroughputTimer
+    from shardspeed.utils.timer import ThroughputTimer as deepspeed_path_throughput_timer
     from shardspeed.utils.timer import trim_mean as deepspeed_path_trim_mean
 
     assert deepspeed_path_trim_mean is trim_mean
+    assert deepspeed_path_throughput_timer is ThroughputTimer  # engine.tput_timer's class
     data = [3.0, 1.0, 2.0]
     assert trim_mean(data, 0.1) == 2.0 and data == [3.0, 1.0, 2.0]
     logger = CommsLogger()

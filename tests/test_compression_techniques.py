@@ -26,6 +26,7 @@ from shardspeed.compression.helper import convert_conv1d_to_linear, recursive_ge
 from shardspeed.compression.packed import PackedEmbedding, PackedLinear, PackedWeight
 from shardspeed.compression.quantizers import fake_quantize, quantize_codes
 from shardspeed.compression.scheduler import compression_scheduler
+from shardspeed.compression.techniques import WeightQuantization
 from shardspeed.compression.utils import (
     AsymQuantizer,
     BinaryQuantizer,
@@ -33,6 +34,7 @@ from shardspeed.compression.utils import (
     TernaryQuantizer,
     TopKBinarizer,
 )
+from shardspeed.config import ConfigWarning
 from shardspeed.inference.fusion import fuse_linears
 
 
@@ -107,23 +109,47 @@ def test_deepspeed_autograd_quantizers_pass_gradients_straight_through():
     assert mask.tolist() == [0] * 7 + [1] * 3
 
 
-def test_weight_bits_follow_the_schedule():
+@pytest.mark.parametrize("groups", [1, 4])
+def test_quantize_in_forward_uses_target_bits_from_the_first_enabled_step(groups):
+    """DeepSpeed 0.18.9's quantize_weight_in_forward path quantizes at target_bits as soon as it is on, and
+    redundancy_clean at target_bits too; start_bits and quantization_period drive only MoQ's schedule."""
     model = Bert()
     config = _cfg({"weight_quantization": weight_technique(
-        {"schedule_offset": 2, "quantize_verbose": True},
-        wq=group({"start_bits": 8, "target_bits": 5, "quantization_period": 2}, ["query"]),
+        {"schedule_offset": 2, "quantize_groups": groups},
+        wq=group({"start_bits": 8, "target_bits": 4, "quantization_period": 2}, ["query"]),
     )})  # fmt: skip
-    init_compression(model, config)
+    with pytest.warns(ConfigWarning, match=r"wq\.params\.start_bits: 8 .*MoQ.* at target_bits 4"):
+        init_compression(model, config)
     scheduler = _switch_on(model, config)
     query = model.layer[0].attention.self.query
-    bits = []
-    for _ in range(12):
+    bits, distinct = [], []
+    for _ in range(10):
         scheduler.step()
         bits.append(query.weight_quantization.bits if query.weight_quantization_enabled else None)
-    # on at step 2; a bit drops when period steps have passed, the period doubling: 2, 4, 8
-    assert bits == [None, 8, 8, 7, 7, 6, 6, 6, 6, 5, 5, 5]
-    values = query.compressed_weight()[0]
-    assert max(_distinct_per_group(values, 1)) <= 2**5
+        if query.weight_quantization_enabled:
+            distinct.append(max(_distinct_per_group(query.compressed_weight()[0].detach(), groups)))
+    assert bits == [None] + [4] * 9  # on at step 2, at 4 bits at once
+    assert max(distinct) <= 2**4
+    redundancy_clean(model, config)
+    cleaned = model.layer[0].attention.self.query
+    assert isinstance(cleaned, PackedLinear) and cleaned.packed.bits == 4
+    assert max(_distinct_per_group(cleaned.packed.dequantize(torch.float32), groups)) <= 2**4
+
+
+def test_moq_bit_schedule_steps_down_from_start_bits():
+    """The schedule a layer enabled with quantize_weight_in_forward=False follows (MoQ's rule in 0.18.9's
+    runtime/quantize.py): a bit fewer each time the period has passed, the period doubling."""
+    schedule = WeightQuantization(start_bits=8, target_bits=5, period=2)
+    bits = []
+    for _ in range(10):
+        schedule.advance()
+        bits.append(schedule.bits)
+    assert bits == [8, 7, 7, 6, 6, 6, 6, 5, 5, 5]
+    layer = LinearLayer_Compress(8, 8)
+    layer.enable_weight_quantization(8, 5, 2, False, "symmetric", 1)
+    assert layer.weight_quantization.bits == 8
+    layer.enable_weight_quantization(8, 5, 2, True, "symmetric", 1)
+    assert layer.weight_quantization.bits == 5
 
 
 def test_fp16_mixed_quantize_blends_towards_the_quantized_weight():

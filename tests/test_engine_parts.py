@@ -1,6 +1,6 @@
 """The engine's small parts, one process, no process group: attribute look-up on the module, the module's
-dtypes (`data_types`), the throughput timer (`timers.throughput`), the Python GC switch
-(`disable_python_gc`), torch_autocast's marks, and `checkpointing.checkpoint` keyword arguments live in
+dtypes (`data_types`), the Python GC switch (`disable_python_gc`), torch_autocast's marks. The throughput
+timer is tested in test_throughput_timer.py, `checkpointing.checkpoint` keyword arguments in
 test_activation_checkpointing.py."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from torch import nn
 from shardspeed.config.blocks import DataTypesConfig
 from shardspeed.core.autocast import TorchAutocast
 from shardspeed.core.module_dtypes import cast_module
-from shardspeed.runtime import timers
 from shardspeed.runtime.engine_extras import EngineExtras
 from shardspeed.runtime.python_gc import PythonGC
 
@@ -119,19 +118,6 @@ def test_fp32_training_keeps_everything_as_loaded():
     model = _WithBuffers()
     cast_module(model, torch.float32, DataTypesConfig())
     assert _dtypes(model)["router.bias"] == torch.float16 and _dtypes(model)["lin.weight"] == torch.float32
-
-
-# -- timers.throughput -----------------------------------------------------------------------------------------
-
-
-def test_throughput_timer_synchronizes_only_when_asked(monkeypatch):
-    calls = []
-    monkeypatch.setattr(timers.accelerator, "synchronize", lambda device: calls.append(device))
-    timers.ThroughputMeter(torch.device("cpu"), enabled=True, synchronized=True).add(8)
-    assert len(calls) == 1
-    timers.ThroughputMeter(torch.device("cpu"), enabled=True, synchronized=False).add(8)
-    timers.ThroughputMeter(torch.device("cpu"), enabled=False, synchronized=True).add(8)
-    assert len(calls) == 1
 
 
 # -- disable_python_gc -------------------------------------------------------------------------------------------

@@ -152,8 +152,10 @@ PATHS: dict[str, object] = {
         "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()", True
     ),
     "utils.timer.trim_mean": "shardspeed.comm.logger:trim_mean",
+    "utils.timer.ThroughputTimer": "shardspeed.runtime.throughput:ThroughputTimer",
     "utils.timer": NotOffered(
-        "DeepSpeed's timer classes are internal; the engine times its phases itself (wall_clock_breakdown)",
+        "DeepSpeed's other timer classes are internal; the engine times its phases itself "
+        "(wall_clock_breakdown) and its throughput with engine.tput_timer (ThroughputTimer)",
         True,
     ),
     "utils.link_hp_params": NotOffered(_INTERNAL),

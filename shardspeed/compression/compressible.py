@@ -85,6 +85,10 @@ class Compressible:
                                    weight_quantization_enabled_in_forward, quantization_type, num_groups,
                                    rounding="nearest", fp16_mixed=None, verbose=False):  # fmt: skip
         mixed = fp16_mixed if fp16_mixed is not None else {}
+        if weight_quantization_enabled_in_forward:
+            # 0.18.9's in-forward path quantizes at target_bits from the first enabled step; start_bits and the
+            # period drive only MoQ's schedule (in forward false), so the schedule starts at its end here
+            start_bits = target_bits
         self.weight_quantization = WeightQuantization(
             start_bits=start_bits, target_bits=target_bits, period=quantization_period,
             groups=self._quantize_groups(num_groups), symmetric=quantization_type == "symmetric",

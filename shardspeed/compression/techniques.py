@@ -2,7 +2,9 @@
 
 ``WeightQuantization`` is one layer's weight schedule: it starts at ``start_bits`` and, once enabled, drops
 one bit each time ``quantization_period`` quantization steps have passed, doubling the period after each
-drop, until ``target_bits`` (0.18.9's MoQ rule in ``runtime/quantize.py``). With ``fp16_mixed_quantize``
+drop, until ``target_bits`` (0.18.9's MoQ rule in ``runtime/quantize.py``). That schedule belongs to MoQ
+(``quantize_weight_in_forward: false``); a layer quantized in forward, as the config requires, starts at
+``target_bits`` (0.18.9's in-forward quantizer uses only ``target_bits``), so nothing steps. With ``fp16_mixed_quantize``
 the forward blends ``r * w + (1 - r) * q(w)``, r falling by ``quantize_change_ratio`` per step and reset
 to 1 at each drop. ``ActivationQuantization`` holds bits, type and range calibration; its static range lives
 in the layer's ``QuantAct`` buffer.

@@ -22,11 +22,12 @@ is the module to import them from.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from .blocks import NonNegInt, PositiveInt
-from .build import Key, join, show
+from .build import ConfigWarning, Key, join, show
 from .compression_groups import ActivationQuantizationGroup, DenseRatio, PruningGroup, WeightQuantizationGroup
 from .errors import ConfigError
 
@@ -215,6 +216,24 @@ class WeightQuantizationConfig:
                 f"{join(path, 'shared_parameters.quantize_weight_in_forward')}: false quantizes through DeepSpeed's "
                 "MoQ fp16 optimizer, which DeepSpeed 0.19 removed and shardspeed does not build; set it true "
                 "(weights quantized in forward: 0.18.9's quantization-aware path)"
+            )
+        if shared.enabled:
+            _warn_moq_only(self, path)
+
+
+def _warn_moq_only(block: WeightQuantizationConfig, path: str) -> None:
+    """start_bits above target_bits asks for MoQ's schedule, which the in-forward path does not run (as in
+    0.18.9): say so rather than let the schedule look honoured."""
+    for name, group in block.different_groups.items():
+        params = group.params
+        if params.start_bits != params.target_bits:
+            warnings.warn(
+                f"{join(path, f'different_groups.{name}.params.start_bits')}: {params.start_bits} (with "
+                f"quantization_period {params.quantization_period}) is MoQ's bit schedule, which runs only with "
+                f"quantize_weight_in_forward false; quantizing in forward, the weights are quantized at target_bits "
+                f"{params.target_bits} from the first enabled step, as in DeepSpeed 0.18.9",
+                ConfigWarning,
+                stacklevel=2,
             )
 
 

@@ -60,11 +60,14 @@ class WeightQuantizationParams:
     """``weight_quantization.different_groups.<name>.params``."""
 
     start_bits: Annotated[int, Key(ge=1, le=32)]
-    """Bits at the start of the schedule. Required."""
+    """Bits at the start of MoQ's schedule (quantize_weight_in_forward false, not built); quantizing in
+    forward uses target_bits from the start, as 0.18.9 does, and a value other than target_bits is warned.
+    Required."""
     target_bits: Annotated[int, Key(ge=1, le=32)]
     """Bits at the end: 1 = binary, 2 = ternary (XTC), >= 3 = integer grid. Required."""
     quantization_period: NonNegInt = 1
-    """Steps before the first bit is dropped; the period doubles after each drop. Default 1."""
+    """MoQ's steps before the first bit is dropped, the period doubling after each drop; unused in forward (as
+    in 0.18.9). Default 1."""
     quantize_groups: PositiveInt | None = None
     """This group's quantize_groups, over the shared one (beyond 0.18.9, where the shared value always wins:
     modules of different sizes need different counts for equal runs). Default null."""

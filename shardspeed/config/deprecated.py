@@ -8,9 +8,11 @@ declared as ``Key(aliases=...)`` on the field itself. This module rewrites the f
 * top-level ``allgather_size``                    -> ``zero_optimization.allgather_bucket_size``
 * ``zero_optimization.cpu_offload: true``         -> ``zero_optimization.offload_optimizer: {"device": "cpu"}``
 * ``zero_optimization.cpu_offload_param: true``   -> ``zero_optimization.offload_param: {"device": "cpu"}``
-* ``zero_optimization.cpu_offload_use_pin_memory`` -> ``pin_memory`` of those offload blocks
+  (``false`` sets nothing: no offload, the default, as DeepSpeed maps it to no block)
+* ``zero_optimization.cpu_offload_use_pin_memory`` -> ``pin_memory`` of those offload blocks (none: no effect)
 
-Each mapping adds a note (warned by the loader); giving an old form and its replacement is an error.
+Each mapping adds a note (warned by the loader) saying what it did; giving an old form and its replacement
+is an error.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def _allgather_size(config: dict[str, Any], ctx: BuildContext) -> None:
     _note(ctx, "allgather_size", f"{ZERO}.allgather_bucket_size")
 
 
+_OFFLOADED = {"offload_optimizer": "optimizer", "offload_param": "parameter"}
+
+
 def _cpu_offload(zero: dict[str, Any], old: str, new: str, ctx: BuildContext) -> None:
     if old not in zero:
         return
@@ -83,7 +88,12 @@ def _cpu_offload(zero: dict[str, Any], old: str, new: str, ctx: BuildContext) ->
         )
     if enabled:
         zero[new] = {"device": "cpu"}
-    _note(ctx, f"{ZERO}.{old}", f'{ZERO}.{new}: {{"device": "cpu"}}')
+        _note(ctx, f"{ZERO}.{old}", f'{ZERO}.{new}: {{"device": "cpu"}}')
+    else:  # the note says what happened: nothing
+        ctx.notes.append(
+            f"config key '{ZERO}.{old}': false is deprecated; it means no {_OFFLOADED[new]} offload, the default, "
+            f"so nothing was set (remove it; '{ZERO}.{new}' replaces it)"
+        )
 
 
 def _pin_memory(zero: dict[str, Any], ctx: BuildContext) -> None:
@@ -91,6 +101,7 @@ def _pin_memory(zero: dict[str, Any], ctx: BuildContext) -> None:
     if old not in zero:
         return
     pin = _require_bool(zero.pop(old), f"{ZERO}.{old}")
+    pinned = []
     for block_name in ("offload_optimizer", "offload_param"):
         block = zero.get(block_name)
         if not isinstance(block, dict):
@@ -101,4 +112,11 @@ def _pin_memory(zero: dict[str, Any], ctx: BuildContext) -> None:
                 f"are given; remove '{old}'"
             )
         block["pin_memory"] = pin
-    _note(ctx, f"{ZERO}.{old}", f"{ZERO}.offload_optimizer.pin_memory / {ZERO}.offload_param.pin_memory")
+        pinned.append(f"{ZERO}.{block_name}.pin_memory")
+    if pinned:
+        _note(ctx, f"{ZERO}.{old}", " / ".join(pinned))
+    else:
+        ctx.notes.append(
+            f"config key '{ZERO}.{old}' is deprecated; there is no offload block to pin, so it has no effect "
+            f"(remove it; 'pin_memory' of '{ZERO}.offload_optimizer' / '{ZERO}.offload_param' replaces it)"
+        )

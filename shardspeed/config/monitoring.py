@@ -121,7 +121,7 @@ class ThroughputTimerConfig:
     """``timers.throughput``."""
 
     enabled: bool = True
-    """Measure samples/s. Default true."""
+    """Measure samples/s (`engine.tput_timer`), logged on rank 0 every `steps_per_print` steps. Default true."""
     synchronized: bool = True
     """Synchronise the device before reading the clock (exact, costs a sync). Default true."""
 

@@ -276,6 +276,12 @@ class PipelineModule(nn.Module):
     def set_checkpoint_interval(self, interval: int) -> None:
         self.activation_checkpoint_interval = int(interval)
 
+    def get_additional_losses(self):
+        """Losses to report beside the training loss (DeepSpeed's hook; None here). A subclass returns
+        {name: scalar tensor}, the same names on every stage; the pipeline engine reads it after each
+        micro-batch's loss on the last stage and averages the values into `engine.get_additional_losses()`."""
+        return None
+
 
 class _ChunkRunner:
     """Runs a few layers; what the activation checkpoint recomputes (unpacks single inputs as DeepSpeed)."""

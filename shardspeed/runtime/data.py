@@ -1,5 +1,12 @@
 """Training data: a DataLoader that gives each data-parallel rank its own shard, and `RepeatingLoader`.
 
+The order is DeepSpeed's: `DistributedSampler` over the data-parallel ranks with its default seed 0, shuffled
+on the training route and in order elsewhere (the pipeline engine reads in order too; see
+`pipeline_engine.py`); the sampler never drops samples (it pads the last round with the first ones) and
+`drop_last` drops the last incomplete batch, as DeepSpeed's loader does. One difference: DeepSpeed never
+calls `set_epoch`, so every epoch repeats the first epoch's permutation; here epoch e uses the permutation of
+seed 0 + e (epoch 0 is DeepSpeed's), as PyTorch's sampler documentation asks.
+
 `sampler_state(loader)` is the loader's checkpoint part: its epoch under `data_sampler`."""
 
 from __future__ import annotations
@@ -13,10 +20,11 @@ from shardspeed.checkpoint.parts import NamedState
 
 
 class ShardedDataLoader:
-    """Micro-batches of `dataset` for one data-parallel rank, reshuffled every epoch.
+    """Micro-batches of `dataset` for one data-parallel rank, reshuffled every epoch when `shuffle`.
 
     A map-style dataset is split by `DistributedSampler` (each rank sees a disjoint 1/N of every epoch; the
     permutation changes with the epoch so ranks stay in step). An iterable dataset is the user's to shard.
+    `tput_timer`: the engine's throughput timer, started as each batch is fetched (loading counts).
     """
 
     def __init__(
@@ -33,15 +41,18 @@ class ShardedDataLoader:
         pin_memory: bool = False,
         data_sampler=None,
         seed: int = 0,
+        tput_timer=None,
     ):
         self.epoch = 0
+        self.tput_timer = tput_timer
         if isinstance(dataset, IterableDataset):
             self.sampler = None
         elif data_sampler is not None:
             self.sampler = data_sampler
         else:
+            # drop_last stays the loader's: DeepSpeed's sampler pads, so every rank gets as many samples
             self.sampler = DistributedSampler(
-                dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+                dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
             )
         self.loader = DataLoader(
             dataset,
@@ -60,13 +71,33 @@ class ShardedDataLoader:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
         self.epoch += 1
-        return iter(self.loader)
+        if self.tput_timer is None:
+            return iter(self.loader)
+        return _TimedBatches(iter(self.loader), self.tput_timer)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
+
+
+class _TimedBatches:
+    """The loader's batches, each starting a micro-step of the throughput timer before it is loaded."""
+
+    def __init__(self, batches: Iterator, tput_timer):
+        self.batches, self.tput_timer = batches, tput_timer
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.tput_timer.start_at_fetch()
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.tput_timer.discard()  # the epoch is over: no micro-step runs on this fetch
+            raise
 
 
 def sampler_state(loader) -> NamedState:

@@ -4,8 +4,8 @@ The engine itself holds little logic. It owns the wrapped module and the counter
 gradient averaging and the optimizer step to the stage's optimizer wrapper (`runtime/stage_wrappers.py`
 builds it), loss scaling to `core/precision.py`, the module's dtypes to `core/module_dtypes.py`,
 `torch_autocast` to `core/autocast.py`, `compile()` to `runtime/compiler.py`, `offload_states()` to
-`zero/offload_states.py`, data to `runtime/data.py`, checkpoints to `checkpoint/`, and DeepSpeed's
-config getters to `runtime/engine_getters.py`. See docs/architecture.md.
+`zero/offload_states.py`, data to `runtime/data.py`, samples/s (`tput_timer`) to `runtime/throughput.py`,
+checkpoints to `checkpoint/`, and DeepSpeed's config getters to `runtime/engine_getters.py`. See docs/architecture.md.
 
 The resolved config is `engine.settings` (typed, `ShardspeedConfig`; DeepSpeed's private `engine._config`
 is the same object, `engine.config` the dict as given). Parts are built from the blocks they need (the
@@ -44,7 +44,8 @@ from shardspeed.runtime.engine_integrations import IntegrationMethods
 from shardspeed.runtime.observers import StepObservers
 from shardspeed.runtime.python_gc import ProcessSettings
 from shardspeed.runtime.stage_wrappers import StageSettings, wrap_optimizer
-from shardspeed.runtime.timers import PhaseTimers, ThroughputMeter
+from shardspeed.runtime.throughput import ThroughputTimer
+from shardspeed.runtime.timers import PhaseTimers
 from shardspeed.sequence.engine_part import SequenceParallelism
 from shardspeed.utils.logging import log_dist
 from shardspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
@@ -120,6 +121,10 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             _broadcast_from_rank0(self.moe.replicated_tensors(), self.dp_group)
             self.moe.broadcast_experts(_broadcast_from_rank0)
 
+        self.tput_timer = ThroughputTimer(  # DeepSpeed's attribute: samples/s, logged every steps_per_print
+            config.timers.throughput, self.train_batch_size(), steps_per_output=config.steps_per_print,
+            device=self.device,
+        )  # fmt: skip
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
         )
@@ -144,8 +149,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
 
         # the flops profiler reports backward and step latency, so it turns the timers on (as in DeepSpeed)
         self.timers = PhaseTimers(self.device, config.wall_clock_breakdown or config.flops_profiler.enabled)
-        throughput = config.timers.throughput
-        self.throughput = ThroughputMeter(self.device, throughput.enabled, throughput.synchronized)
         self.monitor = MonitorMaster(config, self.global_rank)  # DeepSpeed's attribute
         self.observers = StepObservers(  # monitors, flops profiler, comms logger
             self.monitor, config.flops_profiler, config.comms_logger, timers=self.timers, module=self.module,
@@ -168,32 +171,29 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
     # -- construction helpers ------------------------------------------------------------------------------
 
     def _make_dataloader(self, dataset, collate_fn):
-        return self.sequence.shard_loader(
-            ShardedDataLoader(
-                dataset,
-                batch_size=self.train_micro_batch_size_per_gpu(),
-                num_replicas=self.sequence.data_world_size(self.world_size),
-                rank=self.sequence.data_rank(self.dp_rank),
-                collate_fn=collate_fn,
-                drop_last=self._config.dataloader_drop_last,
-            )
-        )
+        """The `training_data` loader (DeepSpeed's `deepspeed_io(training_data)`): shuffled; fetching each batch
+        starts the throughput timer's micro-step."""
+        return self._sharded_loader(dataset, collate_fn=collate_fn, tput_timer=self.tput_timer)
 
     def deepspeed_io(self, dataset, batch_size=None, route="train", pin_memory=True, data_sampler=None,
                      collate_fn=None, num_local_io_workers=None):  # fmt: skip
         """Build a data loader for `dataset` sharded over the data-parallel ranks (DeepSpeed's name)."""
+        return self._sharded_loader(
+            dataset, batch_size=batch_size, collate_fn=collate_fn, shuffle=route == "train",
+            num_workers=num_local_io_workers or 0, pin_memory=pin_memory, data_sampler=data_sampler,
+            tput_timer=self.tput_timer if route == "train" else None,  # as DeepSpeed: only training is timed
+        )  # fmt: skip
+
+    def _sharded_loader(self, dataset, batch_size=None, **options):
+        """A `ShardedDataLoader` over this engine's data-parallel ranks (runtime/data.py has the order)."""
         return self.sequence.shard_loader(
             ShardedDataLoader(
                 dataset,
                 batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
                 num_replicas=self.sequence.data_world_size(self.world_size),
                 rank=self.sequence.data_rank(self.dp_rank),
-                collate_fn=collate_fn,
                 drop_last=self._config.dataloader_drop_last,
-                shuffle=route == "train",
-                num_workers=num_local_io_workers or 0,
-                pin_memory=pin_memory,
-                data_sampler=data_sampler,
+                **options,
             )
         )
 
@@ -208,6 +208,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
 
     def forward(self, *inputs, **kwargs):
         self.states.check_resident("forward")
+        self.tput_timer.start_at_forward()
         self.timers.start("forward")
         self.observers.before_forward(self.global_steps)
         self.compression.before_forward(self.global_steps)
@@ -256,7 +257,8 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             )
         self.states.check_resident("step")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self.timers.start("step")
             self._optimizer_step(lr_kwargs, "gradient overflow (inf/nan): step skipped")
             self.timers.stop("step")
@@ -265,6 +267,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
                 self.loss_scale() if self.fp16_enabled() else None,
             )  # fmt: skip
             self._report_progress()
+        self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         self.micro_steps += 1
 
     def _optimizer_step(self, lr_kwargs: dict | None, overflow_message: str) -> None:
@@ -279,7 +282,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             log_dist(f"{overflow_message}, loss scale is now {self.optimizer.loss_scale}")
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        self.throughput.add(self.train_batch_size())
 
     def _report_progress(self) -> None:
         every = self._config.steps_per_print
@@ -294,7 +296,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             f"lr={[round(lr, 8) for lr in self.get_lr()]}",
             f"loss={loss.item():.4f}" if loss is not None else "",
             f"loss_scale={self.optimizer.loss_scale:g}" if self.fp16_enabled() else "",
-            f"samples/s={self.throughput.rate():.1f}" if self.throughput.enabled else "",
             self.timers.report() if self.timers.enabled else "",
         ]
         log_dist(" ".join(p for p in parts if p))
@@ -416,6 +417,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         self._config.train_batch_size = train
         self._config.train_micro_batch_size_per_gpu = micro
         self._config.gradient_accumulation_steps = gas
+        self.tput_timer.batch_size = train  # samples/s counts the new global batch from the next step
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.basic_optimizer.param_groups] if self.basic_optimizer else []

@@ -17,6 +17,7 @@ once), so clipping sees the whole model and an fp16 overflow on any stage skips 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from shardspeed.config import ConfigError
 from shardspeed.pipe import schedule as sched
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.pipe.p2p import Link
+from shardspeed.runtime.data import RepeatingLoader
 from shardspeed.runtime.engine import ShardspeedEngine
 from shardspeed.utils.logging import log_dist
 
@@ -85,8 +87,20 @@ class _BatchState:
         self.outputs: dict = {}
         self.out_grads: dict = {}
         self.losses: list[torch.Tensor] = []
+        self.additional: dict[
+            str, list[torch.Tensor]
+        ] = {}  # the module's get_additional_losses(), per micro-batch
         self.last_output = None
         self.compute_loss = True
+
+    def add_additional(self, losses: dict) -> None:
+        for name, value in losses.items():
+            if not torch.is_tensor(value):
+                raise PipelineError(
+                    f"get_additional_losses()[{name!r}] is {type(value).__name__}; each additional loss must be a "
+                    "tensor"
+                )
+            self.additional.setdefault(name, []).append(value.detach().float().mean())
 
 
 class PipelineEngine(ShardspeedEngine):
@@ -123,8 +137,10 @@ class PipelineEngine(ShardspeedEngine):
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.data_iterator = None
         self.batch_fn = None
+        self.agg_additional_losses = None  # get_additional_losses(): the last train_batch's, on every stage
         if self.training_dataloader is not None:
-            self.set_dataloader(self.training_dataloader)
+            # as DeepSpeed: training_data never runs dry, the next epoch follows the last (in the same order)
+            self.set_dataloader(RepeatingLoader(self.training_dataloader))
         if self.optimizer is not None:
             self.optimizer.global_norm_hook = self._pipeline_norm
             reducer = getattr(self.optimizer, "reducer", None) or self.optimizer.grads
@@ -132,6 +148,12 @@ class PipelineEngine(ShardspeedEngine):
             self._grad_view = {p: v for b in reducer.buckets for p, v in zip(b.params, b.views)}
         log_dist(f"pipeline engine: stages={self.num_stages} partition={model.parts} micro_batches="
                  f"{self.gradient_accumulation_steps()}")  # fmt: skip
+
+    def _make_dataloader(self, dataset, collate_fn):
+        """`training_data` in order, split over the data-parallel ranks (DeepSpeed's pipeline engine gives
+        `deepspeed_io` a sampler without shuffling): the first stage (inputs) and the last (labels) read the same
+        samples. Not timed per batch: the throughput timer spans each `train_batch`."""
+        return self._sharded_loader(dataset, collate_fn=collate_fn, shuffle=False)
 
     def _make_links(self) -> dict[int, Link]:
         """One link per part boundary this rank's chunks touch; boundary b lies between parts b - 1 and b, and
@@ -184,6 +206,17 @@ class PipelineEngine(ShardspeedEngine):
         """`fn(batch) -> batch` applied to every micro-batch read."""
         self.batch_fn = fn
 
+    def get_additional_losses(self):
+        """The module's additional losses (`PipelineModule.get_additional_losses()`, read after each
+        micro-batch's loss on the last stage) of the last `train_batch`: each the mean over micro-batches and
+        data-parallel replicas, on every stage, as an OrderedDict of name -> tensor; None when the module has
+        none."""
+        return self.agg_additional_losses
+
+    def reset_activation_shape(self) -> None:
+        """DeepSpeed's call for when activation shapes change between batches (curriculum sequence lengths).
+        Nothing to reset here: each batch's first micro-batch describes its shapes again (pipe/p2p.py)."""
+
     # -- training and evaluation -------------------------------------------------------------------------------
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
@@ -199,6 +232,7 @@ class PipelineEngine(ShardspeedEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         micro_batches = self.gradient_accumulation_steps()
+        self.tput_timer.start()
         state = _BatchState(self._read_batches(micro_batches, "train_batch"))
         self.timers.start("train_batch")
         if self.chunks == 1:
@@ -208,10 +242,11 @@ class PipelineEngine(ShardspeedEngine):
                 micro_batches, self.num_stages, self.stage_id, self.chunks
             )
         self._execute(schedule, state)
-        loss = self._aggregate_loss(state.losses)
+        loss = self._aggregate_loss(state.losses, additional=state.additional)
         self.timers.stop("train_batch")
         self._window_loss = loss
         self._report_progress()
+        self.tput_timer.stop(global_step=True, report_speed=self.global_rank == 0)
         return loss
 
     @torch.no_grad()
@@ -347,6 +382,9 @@ class PipelineEngine(ShardspeedEngine):
         else:
             loss = outputs
         state.losses.append(loss.detach())
+        additional = self.module.get_additional_losses()
+        if additional is not None:
+            state.add_additional(additional)
         state.outputs[key] = loss
         if not torch.is_grad_enabled():  # inference keeps nothing for a backward pass
             state.outputs.pop(key)
@@ -427,15 +465,52 @@ class PipelineEngine(ShardspeedEngine):
             dist.all_reduce(total, group=self.dp_group)
         return total.item()
 
-    def _aggregate_loss(self, losses: list[torch.Tensor], broadcast: bool = True) -> torch.Tensor:
-        """Mean over micro-batches and data-parallel replicas, computed on the last stage, sent to all."""
+    def _aggregate_loss(self, losses: list[torch.Tensor], broadcast: bool = True, additional=None):
+        """Mean over micro-batches and data-parallel replicas, computed on the last stage, sent to all; the same
+        for each of the module's `additional` losses (train_batch), which end in `self.agg_additional_losses`.
+        The other stages name those values with their own module's `get_additional_losses()` keys, as
+        DeepSpeed does (the module knows its losses' names on every stage)."""
+        names: list[str] = []
         if self.is_last_stage():
-            loss = torch.stack([x.float().mean() for x in losses]).mean()
+            names = list(additional or {})
+            means = [torch.stack([x.float().mean() for x in losses]).mean()]
+            values = torch.stack(means + [torch.stack(additional[name]).mean() for name in names])
             if self.world_size > 1:
-                dist.all_reduce(loss, group=self.dp_group)
-                loss /= self.world_size
+                dist.all_reduce(values, group=self.dp_group)
+                values /= self.world_size
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            values = torch.zeros(1, dtype=torch.float32, device=self.device)
         if broadcast and self.num_stages > 1:
-            dist.broadcast(loss, src=self.grid.stage_to_global(self.num_stages - 1), group=self.pipe_group)
-        return loss
+            values = self._broadcast_from_last_stage(values)
+            if not self.is_last_stage():
+                names = self._additional_loss_names(values.numel() - 1)
+        if additional is not None:  # eval_batch leaves the last training batch's, as DeepSpeed's does
+            self.agg_additional_losses = OrderedDict(zip(names, values[1:])) if names else None
+        return values[0].clone()
+
+    def _broadcast_from_last_stage(self, values: torch.Tensor) -> torch.Tensor:
+        """The last stage's [loss, additional...] on every stage: [loss, count] first, then the additional
+        values in a second broadcast only when there are any (reading the count is one device sync)."""
+        last = self.grid.stage_to_global(self.num_stages - 1)
+        if self.is_last_stage():
+            head = torch.stack([values[0], torch.tensor(float(values.numel() - 1), device=self.device)])
+        else:
+            head = torch.zeros(2, dtype=torch.float32, device=self.device)
+        dist.broadcast(head, src=last, group=self.pipe_group)
+        count = int(head[1].item())
+        tail = values[1:].contiguous() if self.is_last_stage() else torch.zeros(count, device=self.device)
+        if count:
+            dist.broadcast(tail, src=last, group=self.pipe_group)
+        return torch.cat([head[:1], tail])
+
+    def _additional_loss_names(self, count: int) -> list[str]:
+        if not count:
+            return []
+        local = self.module.get_additional_losses()
+        names = list(local or {})
+        if len(names) != count:
+            raise PipelineError(
+                f"the last stage's module reported {count} additional losses, but get_additional_losses() on "
+                f"stage {self.stage_id} names {len(names)}; it must return the same names on every stage"
+            )
+        return names

@@ -1,4 +1,4 @@
-"""Wall-clock timers for `wall_clock_breakdown` and throughput reporting."""
+"""Wall-clock timers for `wall_clock_breakdown` (throughput: `throughput.py`)."""
 
 from __future__ import annotations
 
@@ -48,27 +48,3 @@ class PhaseTimers:
         window = dict(self.window)
         self.window.clear()
         return window
-
-
-class ThroughputMeter:
-    """Samples per second over the steps since the last report (DeepSpeed's `timers.throughput`).
-
-    `enabled=False` leaves it out of the progress line; `synchronized` waits for the device at each step
-    boundary, so the rate counts finished work rather than queued kernels (one sync per step on CUDA).
-    """
-
-    def __init__(self, device: torch.device | None = None, enabled: bool = True, synchronized: bool = True):
-        self.device, self.enabled, self.synchronized = device, enabled, synchronized
-        self._t0 = time.perf_counter()
-        self._samples = 0
-
-    def add(self, samples: int) -> None:
-        if self.enabled and self.synchronized and self.device is not None:
-            accelerator.synchronize(self.device)
-        self._samples += samples
-
-    def rate(self) -> float:
-        now = time.perf_counter()
-        rate = self._samples / max(now - self._t0, 1e-9)
-        self._t0, self._samples = now, 0
-        return rate

@@ -255,6 +255,31 @@ def test_zero_short_names_are_synonyms_without_warning(config, check, old, new):
     assert not messages
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "what"),
+    [("cpu_offload", "offload_optimizer", "optimizer"), ("cpu_offload_param", "offload_param", "parameter")],
+)
+def test_cpu_offload_false_says_nothing_is_offloaded(old, new, what):
+    """DeepSpeed maps `false` to no offload block; the warning must not claim a CPU offload."""
+    cfg, messages = load_recording({**BASE, "zero_optimization": {"stage": 3, old: False}})
+    assert getattr(cfg.zero_optimization, new) is None
+    (message,) = [m for m in messages if f"zero_optimization.{old}" in m]
+    assert message == (
+        f"config key 'zero_optimization.{old}': false is deprecated; it means no {what} offload, the default, "
+        f"so nothing was set (remove it; 'zero_optimization.{new}' replaces it)"
+    )
+    assert '"cpu"' not in message
+
+
+def test_cpu_offload_use_pin_memory_without_offload_says_it_has_no_effect():
+    cfg, messages = load_recording(
+        {**BASE, "zero_optimization": {"stage": 2, "cpu_offload_use_pin_memory": True}}
+    )
+    assert cfg.zero_optimization.offload_optimizer is None and cfg.zero_optimization.offload_param is None
+    (message,) = [m for m in messages if "cpu_offload_use_pin_memory" in m]
+    assert "no offload block" in message and "no effect" in message
+
+
 def test_cpu_offload_use_pin_memory_sets_pin_memory():
     config = {
         **BASE,

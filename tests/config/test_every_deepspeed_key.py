@@ -84,7 +84,7 @@ HONOURED_BY = {
     "comet": MONITORS,
     "flops_profiler": MONITORS,
     "comms_logger": "test_comms_logger.py::test_bytes_per_step_equal_the_zero_formula_and_user_ops_are_logged",
-    "timers": "test_engine_parts.py::test_throughput_timer_synchronizes_only_when_asked",
+    "timers": "test_throughput_timer.py::test_synchronizes_only_when_asked_and_does_nothing_when_disabled",
     "activation_checkpointing": "test_activation_checkpointing.py::test_configure_from_config_block_and_explicit_overrides",
     "pipeline": "test_pipe_parity.py::test_two_stages_one_replica",
     "checkpoint.tag_validation": "test_checkpoint_bad_input.py::test_bad_saves_fail_the_same_way_on_every_rank_and_keep_the_previous_checkpoint",
