@@ -33,9 +33,25 @@ from shardspeed.utils.logging import logger
 from shardspeed.zero.param_units import LiveNumel, ParamUnit, UnitState, plan_units
 
 
-def _output_tensors(output) -> list[torch.Tensor]:
+def _returned_parameters(output) -> list[torch.Tensor]:
+    """Parameters a module's forward returns directly (as DeepSpeed looks for them: the output itself, the
+    items of a list or tuple, the values of a dict or of an object's attributes)."""
     if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
+        items = [output]
+    elif isinstance(output, (list, tuple)):
+        items = list(output)
+    elif isinstance(output, dict):
+        items = list(output.values())
+    else:
+        items = [v for k, v in getattr(output, "__dict__", {}).items() if not k.startswith("__")]
+    return [t for t in items if isinstance(t, nn.Parameter)]
+
+
+def _output_tensors(output) -> list[torch.Tensor]:
+    """Tensors of a module's output whose backward is the module's: computed ones, not leaves (a parameter
+    the module returns gets its gradient from whoever uses it)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad and output.grad_fn is not None else []
     if isinstance(output, (list, tuple)):
         return [t for o in output for t in _output_tensors(o)]
     if isinstance(output, dict):
@@ -74,11 +90,15 @@ class Stage3Coordinator:
         self.paused = False  # unwrap_model_for_generation: everything is gathered, hooks do nothing
         self._lingering: ParamUnit | None = None  # released in forward, freed at the next acquire
         self.needs: dict[nn.Module, list[ParamUnit]] = {}
+        self._handed: dict[
+            nn.Module, set[int]
+        ] = {}  # units a module holds because an inner one returned them
         for module, needed in self._modules_and_units(root, by_module, self.owner):
             self._hook(module, needed)
         # Modules may read a child's parameters without calling the child (nn.MultiheadAttention reads
         # out_proj.weight): parameter look-ups go through a dict that gathers on first use in a forward.
         for module in root.modules():
+            external_params_of(module)
             if any(p is not None and id(p) in self.owner for p in module._parameters.values()):
                 module._parameters = _GatheringParameters(module._parameters, self)
 
@@ -149,6 +169,7 @@ class Stage3Coordinator:
             if self.paused:
                 return
             self.stack.pop()
+            self._hand_returned_parameters_up(module, output)
             for unit in units:
                 unit.refs -= 1
                 if unit.idle:
@@ -160,6 +181,31 @@ class Stage3Coordinator:
                 self._end_of_forward()
 
         return post_forward
+
+    def _hand_returned_parameters_up(self, module: nn.Module, output) -> None:
+        """A parameter returned from a forward (`return out, self.bias`) is used by the caller: its unit
+        becomes an external unit of the innermost running module (from this step on, gathered before that
+        module's forward and held until it returns), as DeepSpeed registers a returned parameter with the
+        caller. A module that passes such a parameter on hands it further up. Without this the unit is
+        released when the returning module ends and the caller reads an empty tensor."""
+        if not self.stack:
+            return
+        caller = self.stack[-1]
+        for param in _returned_parameters(output):
+            unit = self.owner.get(id(param))
+            if unit is None or any(unit in self.needs[m] for m in self.stack):
+                continue
+            handed = self._handed.setdefault(module, set())
+            if id(unit) in handed:  # passed on again: the caller takes over this module's hold on it
+                handed.discard(id(unit))
+                self.needs[module].remove(unit)
+                external_params_of(module).pop(id(param), None)
+            else:
+                unit.gather(for_training=True)
+                unit.refs += 1
+            self.needs[caller].append(unit)  # the caller's post-forward lets go of it with its own units
+            self._handed.setdefault(caller, set()).add(id(unit))
+            external_params_of(caller)[id(param)] = param
 
     def _end_of_forward(self) -> None:
         """Leave no gather in flight once the model's forward returns, so `ds_status` outside a forward is
@@ -328,6 +374,15 @@ class Stage3Coordinator:
                 f"destroy(): {on_disk} parameter units offloaded to NVMe are not gathered into the module; "
                 "save_checkpoint() or save_16bit_model() before destroy() to keep their values"
             )
+
+
+def external_params_of(module: nn.Module) -> dict:
+    """DeepSpeed's `module._external_params`: {id: parameter} of the parameters of other modules that this
+    module's forward uses and that were registered with it (`register_external_parameter`, or returned to it
+    by an inner module)."""
+    if not hasattr(module, "_external_params"):
+        module._external_params = {}
+    return module._external_params
 
 
 class _GatheringParameters(dict):
