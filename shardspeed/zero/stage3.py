@@ -349,12 +349,13 @@ class Stage3Coordinator:
             unit.refresh()
 
     def release_all(self) -> None:
-        """Free every gathered unit nothing holds (not the persistent ones): `engine.empty_partition_cache`."""
+        """Free every gathered unit nothing holds, the persistent ones too (`engine.empty_partition_cache`,
+        as DeepSpeed: afterwards no parameter holds data; the next forward gathers what it uses)."""
         self._lingering, self._kept = None, []
         for unit in self.units:
             if unit.refs == 0:
                 unit.gradients_done()
-                unit.free()
+                unit.free(persistent_too=True)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
