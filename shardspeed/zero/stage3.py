@@ -88,6 +88,7 @@ class Stage3Coordinator:
         self.owner = {id(p): unit for unit in units for p in unit.params}
         self.stack: list[nn.Module] = []  # hooked modules currently inside their forward
         self.paused = False  # unwrap_model_for_generation: everything is gathered, hooks do nothing
+        self.backward_follows = True  # False for an engine without an optimizer (evaluation only)
         self._lingering: ParamUnit | None = None  # released in forward, freed at the next acquire
         self.needs: dict[nn.Module, list[ParamUnit]] = {}
         self._handed: dict[
@@ -95,6 +96,10 @@ class Stage3Coordinator:
         ] = {}  # units a module holds because an inner one returned them
         for module, needed in self._modules_and_units(root, by_module, self.owner):
             self._hook(module, needed)
+        # Modules that only contain hooked ones are on the stack too (needing nothing themselves): the caller
+        # of a module that returns a parameter is known exactly, as with DeepSpeed, which hooks every module.
+        for module in self._containers(root):
+            self._hook(module, [])
         # Modules may read a child's parameters without calling the child (nn.MultiheadAttention reads
         # out_proj.weight): parameter look-ups go through a dict that gathers on first use in a forward.
         for module in root.modules():
@@ -116,6 +121,19 @@ class Stage3Coordinator:
         module = self.stack[-1]
         self.needs[module].append(unit)
         self._acquire(unit)
+
+    def _containers(self, root: nn.Module) -> list[nn.Module]:
+        """Modules not hooked yet with a hooked module below them."""
+        found = []
+
+        def visit(module: nn.Module) -> bool:
+            below = [visit(child) for child in module.children()]  # every child visited
+            if any(below) and module not in self.needs:
+                found.append(module)
+            return module in self.needs or any(below)
+
+        visit(root)
+        return found
 
     @staticmethod
     def _modules_and_units(root: nn.Module, by_module, owner):
@@ -212,11 +230,11 @@ class Stage3Coordinator:
         AVAILABLE (full data) or NOT_AVAILABLE, never INFLIGHT with empty data: code that gathers only the
         NOT_AVAILABLE parameters (DeepSpeed-Chat's ZeRO-3 save, EMA and LoRA fusion) would read empty tensors.
 
-        With no backward to follow (`torch.no_grad()`, eval), every unit nothing holds is released, as
-        DeepSpeed does after an eval forward; a training forward keeps what its backward will reuse and only
-        finishes the prefetches it never used (released at the end of backward, as before)."""
+        With no backward to follow (`torch.no_grad()`, or an engine without an optimizer), every unit nothing
+        holds is released, as DeepSpeed does after an eval forward; a training forward keeps what its backward
+        will reuse and only finishes the prefetches it never used (released at the end of backward)."""
         self._cursor = -1
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.backward_follows:
             for unit in self.units:
                 if unit.state is UnitState.GATHERING and unit.refs == 0:
                     unit.wait_for_gather()
@@ -247,6 +265,7 @@ class Stage3Coordinator:
         distance = self._reuse_distance.get(id(unit))
         if (
             torch.is_grad_enabled()
+            and self.backward_follows
             and distance is not None
             and distance <= self.max_reuse_distance
             and self.live.numel <= self.max_live_numel
