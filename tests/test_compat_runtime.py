@@ -41,6 +41,31 @@ CONFIGS = {  # label: (config overrides, the one DeepSpeed class it is)
     ),
     "s0-bf16-fp32-accum": ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "bf16"),
     "s1": ({"zero_optimization": {"stage": 1}}, "stage12"),
+    # DeepSpeed's engine builds its BF16_Optimizer (its own ZeRO-1) for bf16 + fp32 accumulation at stage 1
+    "s1-bf16-fp32-accum": (
+        {
+            "zero_optimization": {"stage": 1},
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+        },
+        "bf16",
+    ),
+    "s1-bf16-fp32-accum-offload": (
+        {
+            "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+        },
+        "stage12",
+    ),
+    "s2-bf16-fp32-accum": (
+        {
+            "zero_optimization": {"stage": 2},
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+        },
+        "stage12",
+    ),
     "s2": ({"zero_optimization": {"stage": 2}}, "stage12"),
     "s3": ({"zero_optimization": {"stage": 3}}, "stage3"),
 }
@@ -245,3 +270,39 @@ def test_zero_to_fp32_functions_and_cli_by_deepspeeds_path(job, tmp_path):
     assert cli.returncode == 0, cli.stderr[-2000:]
     written = torch.load(out / "pytorch_model.bin", weights_only=True)
     assert all(torch.equal(written[n], v) for n, v in masters.items())
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def _boundary_gradients() -> list:
+    """DeepSpeed's TestBF16OptimizerGradReduction: the gradient of the boundary micro-batch is reduced (and
+    averaged) by the end of its backward, seen through `fp32_groups_gradients_flat`."""
+    import torch.distributed as dist
+
+    import shardspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+              "zero_optimization": {"stage": 1}, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "bf16": {"enabled": True, "immediate_grad_update": False}, "data_types": {"grad_accum_dtype": "fp32"}}  # fmt: skip
+    model = _Scale()
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    offset = 18 * dist.get_rank()
+    inputs = [torch.tensor([1, 3, 5, 7], dtype=torch.bfloat16) + offset,
+              torch.tensor([11, 13, 15, 17], dtype=torch.bfloat16) + offset]  # fmt: skip
+    for i, x in enumerate(inputs):
+        engine.set_gradient_accumulation_boundary(i == len(inputs) - 1)
+        engine.backward(engine(x))
+    return engine.optimizer.fp32_groups_gradients_flat
+
+
+def test_bf16_zero1_boundary_gradients_are_reduced_over_ranks_and_micro_batches():
+    # rank 0: 1+11, 3+13, ...; rank 1: the same + 2*18; averaged over 2 ranks and 2 micro-batches
+    for flat in run_ranks(_boundary_gradients, WORLD):
+        assert len(flat) == 1 and torch.equal(flat[0], torch.tensor([15.0, 17.0, 19.0, 21.0])), flat

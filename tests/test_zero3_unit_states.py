@@ -270,3 +270,49 @@ def _gathered_parameters_of_foreign_param() -> str:
 def test_gathered_parameters_refuses_to_hand_out_an_empty_zero3_parameter():
     message = run_ranks(_gathered_parameters_of_foreign_param, 1)[0]
     assert message == "RuntimeError: GatheredParameters could not gather 1 parameter(s): ds_id 12345 (4, 4)"
+
+
+def _empty_cache_mid_run(empty: bool, with_optimizer: bool) -> dict:
+    """DeepSpeed's TestZeroPartitionCache: with every parameter persistent, `empty_partition_cache` leaves no
+    parameter holding data; the run then goes on as if it had not been called."""
+    import shardspeed
+
+    from models import TinyGPT, token_batches
+
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10**9}}  # fmt: skip
+    if with_optimizer:
+        config["optimizer"] = {"type": "Adam", "params": {"lr": 0.01}}
+    torch.manual_seed(0)
+    engine, *_ = shardspeed.initialize(model=TinyGPT(), config=config)
+    seen, losses = {}, []
+    for step, batch in enumerate(token_batches(3, 2)):
+        if with_optimizer:
+            loss = engine(batch)
+            engine.backward(loss)
+            engine.step()
+        else:
+            with torch.no_grad():
+                loss = engine(batch)
+        losses.append(loss.item())
+        if step == 0:
+            seen["persistent"] = all(p.ds_persist for p in engine.module.parameters())
+            seen["numel before"] = sum(p.numel() for p in engine.module.parameters())
+            if empty:
+                engine.empty_partition_cache()
+            seen["numel after"] = sum(p.numel() for p in engine.module.parameters())
+            seen["statuses after"] = {p.ds_status.name for p in engine.module.parameters()}
+    seen["losses"] = losses
+    seen["numel at the end"] = sum(p.numel() for p in engine.module.parameters())
+    return seen
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False], ids=["training", "evaluation"])
+def test_empty_partition_cache_releases_persistent_parameters_too(with_optimizer):
+    emptied, kept = (run_ranks(_empty_cache_mid_run, 2, empty, with_optimizer)[0] for empty in (True, False))
+    total = kept["numel before"]
+    assert emptied["persistent"] and total > 0
+    assert emptied["numel after"] == 0 and emptied["statuses after"] == {"NOT_AVAILABLE"}, emptied
+    assert kept["numel after"] == total  # persistent parameters stay gathered otherwise
+    assert emptied["numel at the end"] == total  # gathered again by the next forward, and kept from then on
+    assert emptied["losses"] == kept["losses"]

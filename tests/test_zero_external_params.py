@@ -1,7 +1,10 @@
-"""ZeRO-3 with a parameter the root module's forward reads itself after the owning child ran (a tied output
-projection written as `F.linear(x, self.embed.weight)`): the unit is gathered for the root, and training
-matches one process without ZeRO."""
+"""ZeRO-3 with parameters used outside the module that owns them: one the root module's forward reads itself
+after the owning child ran (a tied output projection written as `F.linear(x, self.embed.weight)`), and one a
+module returns from its forward for its caller to use (`return out, self.bias`, DeepSpeed's
+test_zero_context_return). The unit is gathered for the module that uses it, and training matches one process
+without ZeRO."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -20,19 +23,48 @@ class ExternalUse(nn.Module):
         return nn.functional.linear(hidden, self.linear1.weight).pow(2).mean()  # linear1 has finished
 
 
+class ReturnsBias(nn.Linear):
+    def forward(self, x):
+        return super().forward(x), self.bias  # the caller adds the bias again after this module has ended
+
+
+class Middle(nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.inner = ReturnsBias(dim, dim)
+        self.scale = nn.Parameter(torch.ones(dim))  # a unit of its own: `middle` is hooked too
+
+    def forward(self, x):
+        out, bias = self.inner(x)
+        return out * self.scale, bias  # passed on again: the outermost user is the one that must hold it
+
+
+class ReturnedUse(nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.linear1, self.middle = nn.Linear(dim, dim), Middle(dim)
+
+    def forward(self, x):
+        out, bias = self.middle(self.linear1(x))
+        return (out + bias).pow(2).mean()
+
+
+MODELS = {"read-by-root": ExternalUse, "returned-from-forward": ReturnedUse}
+
+
 def _data():
     return torch.randn(
         STEPS, 2, 4, 16, generator=torch.Generator().manual_seed(1)
     )  # [step, rank, batch, dim]
 
 
-def _train(_: int) -> dict:
+def _train(model_name: str) -> dict:
     import torch.distributed as dist
 
     import shardspeed
 
     torch.manual_seed(0)
-    model = ExternalUse()
+    model = MODELS[model_name]()
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1}}  # fmt: skip
     engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -44,20 +76,34 @@ def _train(_: int) -> dict:
         losses.append(loss.item())
     with shardspeed.zero.GatheredParameters(list(model.parameters())):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params}
+    external = {n: sorted(p.ds_id for p in m._external_params.values()) for n, m in model.named_modules()}
+    return {
+        "losses": losses,
+        "params": params,
+        "external": external,
+        "bias_id": model.middle.inner.bias.ds_id if model_name == "returned-from-forward" else None,
+    }
 
 
-def test_root_reading_a_finished_childs_weight_trains_like_one_process():
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_a_parameter_used_outside_its_module_trains_like_one_process(model_name):
     torch.manual_seed(0)
-    reference = ExternalUse()
+    reference = MODELS[model_name]()
     optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
     for batch in _data():  # the mean over both ranks' samples = the average of their gradients
         loss = (reference(batch[0]) + reference(batch[1])) / 2
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    results = run_ranks(_train, 2, 0)
+    results = run_ranks(_train, 2, model_name)
     for result in results:
         for name, value in reference.named_parameters():
             assert torch.allclose(result["params"][name], value.detach(), atol=1e-6), name
-    assert all(r["params"]["linear1.weight"].shape == (16, 16) for r in results)
+        assert all(shape == tuple(value.shape) for name, value in reference.named_parameters()
+                   for shape in [tuple(result["params"][name].shape)])  # fmt: skip
+        if model_name == "returned-from-forward":
+            # As DeepSpeed: registered with the module that uses it (the root), not with `middle`, which only
+            # passes it on.
+            expected = {name: [] for name in result["external"]}
+            expected[""] = [result["bias_id"]]
+            assert result["external"] == expected, result["external"]

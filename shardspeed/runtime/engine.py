@@ -142,6 +142,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             # wrapper still partitions the parameters and gathers them around each forward; its optimizer
             # never steps (backward and step refuse without a real one).
             self.optimizer = self._wrap_optimizer(_gather_only_optimizer(self.module))
+            self.optimizer.coordinator.backward_follows = False  # so nothing is kept gathered for one
         self.basic_optimizer = client_optimizer
         # offload_states(): moves the wrapper's state; the ZeRO block says what already lives on the host
         self.states = StateOffloader(self.optimizer, self.device, config.zero_optimization)

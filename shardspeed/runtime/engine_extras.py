@@ -46,7 +46,8 @@ class EngineExtras:
         self.states.reload(non_blocking)
 
     def empty_partition_cache(self) -> None:
-        """ZeRO-3: release every gathered (not persistent) parameter unit, then the allocator's cache."""
+        """ZeRO-3: release every gathered parameter unit nothing holds (persistent ones too, as DeepSpeed),
+        then the allocator's cache."""
         coordinator = getattr(self.optimizer, "coordinator", None)
         if coordinator is not None:
             coordinator.release_all()

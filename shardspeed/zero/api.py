@@ -15,6 +15,7 @@ from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat
 from shardspeed.core import partitioned
+from shardspeed.zero.stage3 import external_params_of
 
 
 def _owner(param: nn.Parameter):
@@ -160,6 +161,7 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     wrapper, index = owner
     needs = wrapper.coordinator.needs.get(module)
     unit = wrapper.buckets[index]
+    external_params_of(module)[id(parameter)] = parameter
     if needs is not None and unit not in needs:
         needs.append(unit)
     elif needs is None:
@@ -173,6 +175,7 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
         unit = owner[0].buckets[owner[1]]
         if unit in needs:
             needs.remove(unit)
+        external_params_of(module).pop(id(parameter), None)
 
 
 @contextlib.contextmanager

@@ -106,6 +106,10 @@ class ZeroOptimizer(OptimizerWrapper):
             if stage == 3:
                 bucket.on_modified = self._refresh_master(index)
         managed = {id(p) for b in buckets for p in b.params}
+        # The model's parameters per group, in the caller's order (the groups hold masters from here on).
+        self.model_param_groups = [
+            [p for p in g["params"] if id(p) in managed] for g in optimizer.param_groups
+        ]
         for group_index, group_dict in enumerate(optimizer.param_groups):
             others = [p for p in group_dict["params"] if id(p) not in managed]
             mine = [m for m, b in zip(self.masters, buckets) if b.group_index == group_index]
@@ -256,6 +260,22 @@ class ZeroOptimizer(OptimizerWrapper):
             numel += bucket.padded_numel
         for work in in_flight:
             work.wait()
+
+    @property
+    def fp32_groups_gradients_flat(self) -> list[torch.Tensor]:
+        """DeepSpeed's `BF16_Optimizer.fp32_groups_gradients_flat`: per parameter group, the averaged fp32
+        gradients of its parameters flattened in order, as the step will use them. Whole, not this rank's
+        shard: a collective over the data-parallel group (every rank must read it)."""
+        from shardspeed.zero.api import safe_get_full_grad
+
+        flat = []
+        for params in self.model_param_groups:
+            grads = [safe_get_full_grad(p) for p in params]
+            flat.append(torch.cat([
+                (g if g is not None else torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape)).reshape(-1)
+                for p, g in zip(params, grads)
+            ]) if params else torch.empty(0))  # fmt: skip
+        return flat
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none

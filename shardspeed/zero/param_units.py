@@ -25,7 +25,8 @@ copy of such values). Separately, `unit.awaiting` (`Awaiting`) says what the ste
 backward through a trainable unit begins it is `GRADIENTS` until every trainable gradient is staged (or
 the backward ends); `refs` counts who holds it now (module forwards, nested or external uses,
 `GatheredParameters`). A unit is *idle* — free to release — when `refs == 0` and it awaits nothing;
-persistent units (small ones, as DeepSpeed's `stage3_param_persistence_threshold`) are never released.
+persistent units (small ones, as DeepSpeed's `stage3_param_persistence_threshold`) are released only by
+`engine.empty_partition_cache` (and gathered again at their next use).
 Its full parameters are released in backward as soon as every trainable parameter's gradient has been
 produced — autograd accumulates a leaf's gradient only after every operation that used it has run its
 backward, so nothing later needs the values.
@@ -362,7 +363,7 @@ class ParamUnit(FlatParamBucket):
         if self._shard_copy is not ShardCopy.MODIFIED:
             self.evict()  # an unchanged offloaded shard is not needed while its unit is gathered
 
-    def free(self, keep_taken_views: bool = False) -> None:
+    def free(self, keep_taken_views: bool = False, persistent_too: bool = False) -> None:
         """Drop the full buffer (GATHERED -> RELEASED, after finishing a gather in flight); parameters become
         empty until the next gather. Persistent units stay gathered; a released unit stays released. Either
         way an offloaded shard goes home.
@@ -370,8 +371,11 @@ class ParamUnit(FlatParamBucket):
         `keep_taken_views` (the end of a user's `GatheredParameters` block): tensors the user took from the
         parameters inside the block (`p.detach()`) keep their values, as in DeepSpeed: the buffer is let go
         (freed once the last such tensor is) and the next gather fills a new one, instead of freeing the
-        storage in place [Note: one storage]. Only while no backward needs the unit's saved views."""
-        if self.persistent:
+        storage in place [Note: one storage]. Only while no backward needs the unit's saved views.
+
+        `persistent_too` (`engine.empty_partition_cache`): a persistent unit is released as well; its next
+        use gathers it again, and it stays gathered from then on."""
+        if self.persistent and not persistent_too:
             return
         self.wait_for_gather()
         if self._state is UnitState.GATHERED:
@@ -389,8 +393,9 @@ class ParamUnit(FlatParamBucket):
         self.evict()
 
     def refresh(self) -> None:
-        """After an optimizer step: persistent units re-gather their updated values, others stay released."""
-        if self.persistent:
+        """After an optimizer step: persistent units re-gather their updated values (unless
+        `empty_partition_cache` released them: then their next use does), others stay released."""
+        if self.persistent and self._state is not UnitState.RELEASED:
             self.wait_for_gather()
             self._start_gather(for_training=False)
             self.wait_for_gather()

@@ -33,9 +33,25 @@ from shardspeed.utils.logging import logger
 from shardspeed.zero.param_units import LiveNumel, ParamUnit, UnitState, plan_units
 
 
-def _output_tensors(output) -> list[torch.Tensor]:
+def _returned_parameters(output) -> list[torch.Tensor]:
+    """Parameters a module's forward returns directly (as DeepSpeed looks for them: the output itself, the
+    items of a list or tuple, the values of a dict or of an object's attributes)."""
     if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
+        items = [output]
+    elif isinstance(output, (list, tuple)):
+        items = list(output)
+    elif isinstance(output, dict):
+        items = list(output.values())
+    else:
+        items = [v for k, v in getattr(output, "__dict__", {}).items() if not k.startswith("__")]
+    return [t for t in items if isinstance(t, nn.Parameter)]
+
+
+def _output_tensors(output) -> list[torch.Tensor]:
+    """Tensors of a module's output whose backward is the module's: computed ones, not leaves (a parameter
+    the module returns gets its gradient from whoever uses it)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad and output.grad_fn is not None else []
     if isinstance(output, (list, tuple)):
         return [t for o in output for t in _output_tensors(o)]
     if isinstance(output, dict):
@@ -72,13 +88,22 @@ class Stage3Coordinator:
         self.owner = {id(p): unit for unit in units for p in unit.params}
         self.stack: list[nn.Module] = []  # hooked modules currently inside their forward
         self.paused = False  # unwrap_model_for_generation: everything is gathered, hooks do nothing
+        self.backward_follows = True  # False for an engine without an optimizer (evaluation only)
         self._lingering: ParamUnit | None = None  # released in forward, freed at the next acquire
         self.needs: dict[nn.Module, list[ParamUnit]] = {}
+        self._handed: dict[
+            nn.Module, set[int]
+        ] = {}  # units a module holds because an inner one returned them
         for module, needed in self._modules_and_units(root, by_module, self.owner):
             self._hook(module, needed)
+        # Modules that only contain hooked ones are on the stack too (needing nothing themselves): the caller
+        # of a module that returns a parameter is known exactly, as with DeepSpeed, which hooks every module.
+        for module in self._containers(root):
+            self._hook(module, [])
         # Modules may read a child's parameters without calling the child (nn.MultiheadAttention reads
         # out_proj.weight): parameter look-ups go through a dict that gathers on first use in a forward.
         for module in root.modules():
+            external_params_of(module)
             if any(p is not None and id(p) in self.owner for p in module._parameters.values()):
                 module._parameters = _GatheringParameters(module._parameters, self)
 
@@ -96,6 +121,19 @@ class Stage3Coordinator:
         module = self.stack[-1]
         self.needs[module].append(unit)
         self._acquire(unit)
+
+    def _containers(self, root: nn.Module) -> list[nn.Module]:
+        """Modules not hooked yet with a hooked module below them."""
+        found = []
+
+        def visit(module: nn.Module) -> bool:
+            below = [visit(child) for child in module.children()]  # every child visited
+            if any(below) and module not in self.needs:
+                found.append(module)
+            return module in self.needs or any(below)
+
+        visit(root)
+        return found
 
     @staticmethod
     def _modules_and_units(root: nn.Module, by_module, owner):
@@ -149,6 +187,7 @@ class Stage3Coordinator:
             if self.paused:
                 return
             self.stack.pop()
+            self._hand_returned_parameters_up(module, output)
             for unit in units:
                 unit.refs -= 1
                 if unit.idle:
@@ -161,16 +200,41 @@ class Stage3Coordinator:
 
         return post_forward
 
+    def _hand_returned_parameters_up(self, module: nn.Module, output) -> None:
+        """A parameter returned from a forward (`return out, self.bias`) is used by the caller: its unit
+        becomes an external unit of the innermost running module (from this step on, gathered before that
+        module's forward and held until it returns), as DeepSpeed registers a returned parameter with the
+        caller. A module that passes such a parameter on hands it further up. Without this the unit is
+        released when the returning module ends and the caller reads an empty tensor."""
+        if not self.stack:
+            return
+        caller = self.stack[-1]
+        for param in _returned_parameters(output):
+            unit = self.owner.get(id(param))
+            if unit is None or any(unit in self.needs[m] for m in self.stack):
+                continue
+            handed = self._handed.setdefault(module, set())
+            if id(unit) in handed:  # passed on again: the caller takes over this module's hold on it
+                handed.discard(id(unit))
+                self.needs[module].remove(unit)
+                external_params_of(module).pop(id(param), None)
+            else:
+                unit.gather(for_training=True)
+                unit.refs += 1
+            self.needs[caller].append(unit)  # the caller's post-forward lets go of it with its own units
+            self._handed.setdefault(caller, set()).add(id(unit))
+            external_params_of(caller)[id(param)] = param
+
     def _end_of_forward(self) -> None:
         """Leave no gather in flight once the model's forward returns, so `ds_status` outside a forward is
         AVAILABLE (full data) or NOT_AVAILABLE, never INFLIGHT with empty data: code that gathers only the
         NOT_AVAILABLE parameters (DeepSpeed-Chat's ZeRO-3 save, EMA and LoRA fusion) would read empty tensors.
 
-        With no backward to follow (`torch.no_grad()`, eval), every unit nothing holds is released, as
-        DeepSpeed does after an eval forward; a training forward keeps what its backward will reuse and only
-        finishes the prefetches it never used (released at the end of backward, as before)."""
+        With no backward to follow (`torch.no_grad()`, or an engine without an optimizer), every unit nothing
+        holds is released, as DeepSpeed does after an eval forward; a training forward keeps what its backward
+        will reuse and only finishes the prefetches it never used (released at the end of backward)."""
         self._cursor = -1
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.backward_follows:
             for unit in self.units:
                 if unit.state is UnitState.GATHERING and unit.refs == 0:
                     unit.wait_for_gather()
@@ -201,6 +265,7 @@ class Stage3Coordinator:
         distance = self._reuse_distance.get(id(unit))
         if (
             torch.is_grad_enabled()
+            and self.backward_follows
             and distance is not None
             and distance <= self.max_reuse_distance
             and self.live.numel <= self.max_live_numel
@@ -303,12 +368,13 @@ class Stage3Coordinator:
             unit.refresh()
 
     def release_all(self) -> None:
-        """Free every gathered unit nothing holds (not the persistent ones): `engine.empty_partition_cache`."""
+        """Free every gathered unit nothing holds, the persistent ones too (`engine.empty_partition_cache`,
+        as DeepSpeed: afterwards no parameter holds data; the next forward gathers what it uses)."""
         self._lingering, self._kept = None, []
         for unit in self.units:
             if unit.refs == 0:
                 unit.gradients_done()
-                unit.free()
+                unit.free(persistent_too=True)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -328,6 +394,15 @@ class Stage3Coordinator:
                 f"destroy(): {on_disk} parameter units offloaded to NVMe are not gathered into the module; "
                 "save_checkpoint() or save_16bit_model() before destroy() to keep their values"
             )
+
+
+def external_params_of(module: nn.Module) -> dict:
+    """DeepSpeed's `module._external_params`: {id: parameter} of the parameters of other modules that this
+    module's forward uses and that were registered with it (`register_external_parameter`, or returned to it
+    by an inner module)."""
+    if not hasattr(module, "_external_params"):
+        module._external_params = {}
+    return module._external_params
 
 
 class _GatheringParameters(dict):

@@ -9,10 +9,10 @@ would have built that class:
 | DeepSpeed class | shardspeed wrapper, when |
 |---|---|
 | `runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3` | `ZeroOptimizer` at stage 3 |
-| `runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` | `ZeroOptimizer` at stage 1 or 2 |
+| `runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` | `ZeroOptimizer` at stage 1 or 2, but not the next-but-one row |
 | `runtime.fp16.fused_optimizer.FP16_Optimizer` | stage 0, fp16, an Adam-family optimizer |
 | `runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer` | stage 0, fp16 with another optimizer (Lamb, ...), or bf16 accumulating in bf16 |
-| `runtime.bf16_optimizer.BF16_Optimizer` | stage 0, bf16, gradients accumulated in fp32 |
+| `runtime.bf16_optimizer.BF16_Optimizer` | bf16 with gradients accumulated in fp32, at stage 0, or at stage 1 without optimizer offload (DeepSpeed's own ZeRO-1 for bf16) |
 
 The checks follow what shardspeed's wrapper does: at stage 0 with bf16, gradients accumulate in fp32 unless
 `data_types.grad_accum_dtype` says bf16, so that configuration is a `BF16_Optimizer` (DeepSpeed 0.19.8
@@ -76,7 +76,7 @@ class ZeroStage12Optimizer(metaclass=_WrapperCheck):
 
     @staticmethod
     def matches(wrapper) -> bool:
-        return _stage(wrapper) in (1, 2)
+        return _stage(wrapper) in (1, 2) and not BF16Optimizer.matches(wrapper)
 
 
 class FP16Optimizer(metaclass=_WrapperCheck):
@@ -103,4 +103,9 @@ class BF16Optimizer(metaclass=_WrapperCheck):
 
     @staticmethod
     def matches(wrapper) -> bool:
-        return _stage(wrapper) == 0 and _dtypes(wrapper) == (torch.bfloat16, torch.float32)
+        stage = _stage(wrapper)
+        if stage not in (0, 1) or _dtypes(wrapper) != (torch.bfloat16, torch.float32):
+            return False
+        return (
+            stage == 0 or getattr(wrapper, "offload", None) is None
+        )  # DeepSpeed: ZeRO-1 without CPU offload
