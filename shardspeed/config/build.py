@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from .errors import ConfigError, closest_name
 
-__all__ = ["BuildContext", "ConfigWarning", "Key", "build_block", "join", "show"]
+__all__ = ["BuildContext", "ConfigWarning", "Key", "build_block", "field_of", "join", "key_names", "show"]
 
 
 class ConfigWarning(UserWarning):
@@ -136,6 +136,20 @@ def _schema(cls: type) -> _Schema:
             required.append(f.name)
     extra = getattr(cls, "EXTRA_KEYS_FIELD", None)
     return _Schema(hints, keys, aliases, frozenset(synonyms), tuple(required), extra)
+
+
+def field_of(cls: type, key: str) -> tuple[str, Any] | None:
+    """(field name, type annotation) of the user key ``key`` in block ``cls`` (a synonym or deprecated alias
+    names its field); None when ``cls`` has no such key."""
+    schema = _schema(cls)
+    name = key if key in schema.hints else schema.aliases.get(key)
+    return None if name is None else (name, schema.hints[name])
+
+
+def key_names(cls: type) -> tuple[list[str], bool]:
+    """The keys block ``cls`` accepts (fields, synonyms, aliases), and whether it also keeps unknown keys."""
+    schema = _schema(cls)
+    return [*schema.hints, *schema.aliases], schema.extra_field is not None
 
 
 # --------------------------------------------------------------------------------------------------

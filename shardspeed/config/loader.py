@@ -1,6 +1,6 @@
 """``load_config``: from a dict, a JSON/HJSON file or a base64 string to a validated ``ShardspeedConfig``.
 
-Order of work: read the source -> refuse keys DeepSpeed 0.19 removed -> drop or refuse "auto" values -> map
+Order of work: read the source -> dotted top-level keys to the nested keys they name -> refuse keys DeepSpeed 0.19 removed -> drop or refuse "auto" values -> map
 deprecated forms -> build and type-check every block -> cross-block checks -> refuse set keys of features
 that are not implemented (one error naming them all) -> resolve the batch triple -> warn about deprecations.
 No key is accepted and ignored. The caller's dict is never modified.
@@ -21,6 +21,7 @@ import hjson
 from .batch import resolve_batch_sizes
 from .build import BuildContext, ConfigWarning, build_block, join, show
 from .deprecated import map_deprecated
+from .dotted import expand_dotted_keys
 from .errors import ConfigError
 from .implemented import refuse_removed, refuse_unsupported
 from .schema import ShardspeedConfig
@@ -57,6 +58,7 @@ def load_config(config: Any, world_size: int = 1) -> ShardspeedConfig:
     if isinstance(config, ShardspeedConfig):
         config = config.raw
     raw = copy.deepcopy(read_config_source(config))
+    expand_dotted_keys(raw, ShardspeedConfig)  # `raw` keeps the nested form: one spelling for every reader
     refuse_removed(raw)
     dropped = drop_auto(raw, "")
     ctx = BuildContext()
