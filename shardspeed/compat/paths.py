@@ -206,6 +206,8 @@ PATHS: dict[str, object] = {
     "runtime.dataloader.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
     "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": "shardspeed.compat.mirrors.optimizer_classes:ZeroStage3Optimizer",
     "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": "shardspeed.compat.mirrors.optimizer_classes:ZeroStage12Optimizer",
+    "runtime.zero.parameter_offload.DeepSpeedZeRoOffload": "shardspeed.compat.mirrors.optimizer_classes:ZeroParameterOffload",
+    "zero.DeepSpeedZeRoOffload": "shardspeed.compat.mirrors.optimizer_classes:ZeroParameterOffload",
     "runtime.fp16.fused_optimizer.FP16_Optimizer": "shardspeed.compat.mirrors.optimizer_classes:FP16Optimizer",
     "runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "shardspeed.compat.mirrors.optimizer_classes:FP16UnfusedOptimizer",
     "runtime.bf16_optimizer.BF16_Optimizer": "shardspeed.compat.mirrors.optimizer_classes:BF16Optimizer",
@@ -322,7 +324,7 @@ _INTERNAL_NAMES = {
     "set_tensor_model_parallel_rank set_tensor_model_parallel_world_size z3_leaf_parameter",
     "utils.groups": "DeprecatedException bwc_pipeline_parallel_world_size bwc_tensor_model_parallel_world_size "
     "initialize set_tensor_model_parallel_rank set_tensor_model_parallel_world_size",
-    "zero": "DeepSpeedTensorOverride DeepSpeedZeRoOffload TiledLinearReturnBias",
+    "zero": "DeepSpeedTensorOverride TiledLinearReturnBias",
     "comm": "CCLBackend TorchBackend all_gather_coalesced all_reduce_coalesced allgather_fn "
     "enable_symm_mem_for_group get_caller_func get_comm_operation_count get_debug_log_name get_default_args "
     "get_local_rank_from_launcher get_logged_comm_ops get_msg_size_from_args get_tensor_kwarg "

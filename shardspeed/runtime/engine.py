@@ -145,7 +145,12 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             self.optimizer.coordinator.backward_follows = False  # so nothing is kept gathered for one
         self.basic_optimizer = client_optimizer
         # offload_states(): moves the wrapper's state; the ZeRO block says what already lives on the host
-        self.states = StateOffloader(self.optimizer, self.device, config.zero_optimization)
+        # (none without an optimizer: DeepSpeed refuses to move states there too)
+        self.states = StateOffloader(
+            self.optimizer if client_optimizer is not None else None, self.device, config.zero_optimization
+        )
+        if client_optimizer is not None and hasattr(self.optimizer, "state_offloader"):
+            self.optimizer.state_offloader = self.states  # optimizer.offload_states() is the engine's
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
 
         # the flops profiler reports backward and step latency, so it turns the timers on (as in DeepSpeed)

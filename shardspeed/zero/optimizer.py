@@ -34,6 +34,7 @@ from shardspeed.core.optimizer_wrapper import OptimizerWrapper
 from shardspeed.core.placement import place_optimizer_state
 from shardspeed.core.precision import LossScaler, PrecisionPlan, unscaled_in_kernel
 from shardspeed.zero.offload import GradientNorms, HostGradients, OptimizerOffload
+from shardspeed.zero.parameter_offload import ParameterOffload
 from shardspeed.zero.sharded_grads import ShardedGradReducer
 from shardspeed.zero.stage3 import Stage3Coordinator, build_units
 from shardspeed.zero.swap import build_optimizer_swapper
@@ -80,6 +81,8 @@ class ZeroOptimizer(OptimizerWrapper):
         self.plan, self.scaler, self.clip, self.group = plan, scaler, gradient_clipping, group
         self.overflow = False
         self.grad_norm: float | None = None
+        self._parameter_offload: ParameterOffload | None = None
+        self.state_offloader = None  # the engine's StateOffloader (zero/offload_states.py), set by the engine
         # The optimizer steps one tensor per bucket: a fp32 copy of the shard, or the shard itself in fp32
         # training when the optimizer runs where the shard lives.
         # Under NVMe offload each master goes to its file as soon as it is made (and, with parameter offload,
@@ -282,6 +285,42 @@ class ZeroOptimizer(OptimizerWrapper):
         self.grads.zero()
         if self._grads_on_nvme:
             self.nvme.forget_gradients()
+
+    # -- DeepSpeed's attributes RLHF frameworks use (TRL, OpenRLHF) --------------------------------------------
+
+    @property
+    def parameter_offload(self) -> ParameterOffload:
+        """ZeRO-3's module hooks under DeepSpeed's names (zero/parameter_offload.py); absent below stage 3,
+        as in DeepSpeed (`hasattr(engine.optimizer, "parameter_offload")` is how TRL tells them apart)."""
+        if self.coordinator is None:
+            raise AttributeError(
+                f"'parameter_offload' exists at ZeRO stage 3 only (this is stage {self.zero_stage})"
+            )
+        if self._parameter_offload is None:
+            self._parameter_offload = ParameterOffload(self.coordinator)
+        return self._parameter_offload
+
+    @property
+    def evaluation_only(self) -> bool:
+        """A ZeRO-3 wrapper the engine built without an optimizer: it gathers around forwards, never steps."""
+        return self.coordinator is not None and not self.coordinator.backward_follows
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
+        """DeepSpeed's ZeRO optimizers' `offload_states` (OpenRLHF calls it here rather than on the engine):
+        the engine's own, so that `engine.reload_states()` brings back what this moved."""
+        self._engine_states().offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self._engine_states().reload(non_blocking)
+
+    def _engine_states(self):
+        if self.state_offloader is None:
+            raise ValueError(
+                "offload_states needs an optimizer"
+                if self.evaluation_only
+                else "no engine owns this optimizer"
+            )
+        return self.state_offloader
 
     def remove_hooks(self) -> None:
         self.grads.remove_hooks()

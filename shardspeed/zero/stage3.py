@@ -25,6 +25,8 @@ run the same modules (the same requirement collectives always have).
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -81,7 +83,7 @@ class Stage3Coordinator:
         self._kept: list[ParamUnit] = []  # released in forward but kept gathered for their backward
         self._this_step: list[ParamUnit] = []
         self._seen: set[int] = set()
-        self._hooks = []
+        self._handles: dict[nn.Module, list] = {}  # each hooked module's two forward-hook handles
         by_module: dict[nn.Module, list[ParamUnit]] = {}
         for unit in units:
             by_module.setdefault(unit.module, []).append(unit)
@@ -104,13 +106,62 @@ class Stage3Coordinator:
         # out_proj.weight): parameter look-ups go through a dict that gathers on first use in a forward.
         for module in root.modules():
             external_params_of(module)
+            # DeepSpeed's method, which TRL's `remove_hooks` reads on the root: (id, parameter) pairs
+            module.ds_external_parameters = types.MethodType(_ds_external_parameters, module)
             if any(p is not None and id(p) in self.owner for p in module._parameters.values()):
                 module._parameters = _GatheringParameters(module._parameters, self)
 
     def _hook(self, module: nn.Module, needed: list[ParamUnit]) -> None:
         self.needs[module] = needed
-        self._hooks.append(module.register_forward_pre_hook(self._make_pre_forward(module)))
-        self._hooks.append(module.register_forward_hook(self._make_post_forward(module)))
+        self._attach(module)
+
+    def _attach(self, module: nn.Module) -> None:
+        self._handles[module] = [
+            module.register_forward_pre_hook(self._make_pre_forward(module)),
+            module.register_forward_hook(self._make_post_forward(module)),
+        ]
+
+    # -- the hooks as handles: taken off and put back by RLHF frameworks around generation ---------------------
+
+    def hook_handles(self) -> list:
+        """The forward hooks' handles still registered (calling `.remove()` on one takes its hook off)."""
+        return [h for handles in self._handles.values() for h in handles if _registered(h)]
+
+    def forget_removed_hooks(self) -> None:
+        """Drop the handles whose hooks were removed (TRL's `forward_hooks = []` after removing each one).
+        Forgetting a hook still registered would leave it running unseen, so that is refused."""
+        live = self.hook_handles()
+        if live:
+            raise RuntimeError(
+                f"ZeRO-3 hooks: {len(live)} forward hooks are still registered; call .remove() on each handle "
+                "before clearing the list"
+            )
+        self._handles = {}
+
+    def register_hooks(self, module: nn.Module) -> None:
+        """Put back the hooks of every hooked module in `module`'s subtree (DeepSpeed's
+        `_register_deepspeed_module`), as they were: same units, same external parameters. Parameters read
+        while the hooks were off were gathered by someone else (GatheredParameters); the recorded gather
+        order is dropped when the root is re-registered, so the next step records a fresh one."""
+        targets = [m for m in module.modules() if m in self.needs]
+        doubled = [m for m in targets if any(_registered(h) for h in self._handles.get(m, []))]
+        if doubled:
+            raise RuntimeError(
+                f"ZeRO-3 hooks are already registered on {len(doubled)} of these modules (the first: "
+                f"{type(doubled[0]).__name__}); remove them first, or they would gather twice"
+            )
+        for target in targets:
+            self._attach(target)
+        if module is self.root:
+            self.invalidate_order()
+
+    def order_is_recorded(self) -> bool:
+        return bool(self.order)
+
+    def invalidate_order(self) -> None:
+        """Forget the recorded gather order (and the reuse distances taken from it): no prefetch and no
+        keeping for backward until the next step has recorded a new one."""
+        self.order, self._position, self._reuse_distance, self._cursor = [], {}, {}, -1
 
     def on_parameter_access(self, param: nn.Parameter) -> None:
         """A parameter read inside a forward whose unit nobody holds: gather it for the innermost module
@@ -377,9 +428,9 @@ class Stage3Coordinator:
                 unit.free(persistent_too=True)
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks:
+        for handle in self.hook_handles():
             handle.remove()
-        self._hooks = []
+        self._handles = {}
         on_disk = 0
         for unit in self.units:
             if unit.offloaded_to_disk:
@@ -403,6 +454,16 @@ def external_params_of(module: nn.Module) -> dict:
     if not hasattr(module, "_external_params"):
         module._external_params = {}
     return module._external_params
+
+
+def _ds_external_parameters(module: nn.Module):
+    return external_params_of(module).items()
+
+
+def _registered(handle) -> bool:
+    """Whether the hook behind a torch RemovableHandle is still registered (its `remove()` not called)."""
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
 
 
 class _GatheringParameters(dict):

@@ -8,7 +8,8 @@ would have built that class:
 
 | DeepSpeed class | shardspeed wrapper, when |
 |---|---|
-| `runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3` | `ZeroOptimizer` at stage 3 |
+| `runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3` | `ZeroOptimizer` at stage 3 with an optimizer |
+| `runtime.zero.parameter_offload.DeepSpeedZeRoOffload` | `ZeroOptimizer` at stage 3 built without an optimizer (an evaluation-only engine, such as TRL's reference model), and the `parameter_offload` of any stage-3 wrapper |
 | `runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer` | `ZeroOptimizer` at stage 1 or 2, but not the next-but-one row |
 | `runtime.fp16.fused_optimizer.FP16_Optimizer` | stage 0, fp16, an Adam-family optimizer |
 | `runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer` | stage 0, fp16 with another optimizer (Lamb, ...), or bf16 accumulating in bf16 |
@@ -30,6 +31,7 @@ __all__ = [
     "BF16Optimizer",
     "FP16Optimizer",
     "FP16UnfusedOptimizer",
+    "ZeroParameterOffload",
     "ZeroStage3Optimizer",
     "ZeroStage12Optimizer",
 ]
@@ -68,7 +70,20 @@ class ZeroStage3Optimizer(metaclass=_WrapperCheck):
 
     @staticmethod
     def matches(wrapper) -> bool:
-        return _stage(wrapper) == 3
+        return _stage(wrapper) == 3 and not wrapper.evaluation_only
+
+
+class ZeroParameterOffload(metaclass=_WrapperCheck):
+    """DeepSpeed builds a `DeepSpeedZeRoOffload` as `engine.optimizer` when ZeRO-3 has no optimizer, and one as
+    the stage-3 optimizer's `parameter_offload`; ROLL's offload code branches on it."""
+
+    deepspeed_name = "runtime.zero.parameter_offload.DeepSpeedZeRoOffload"
+
+    @staticmethod
+    def matches(wrapper) -> bool:
+        from shardspeed.zero.parameter_offload import ParameterOffload
+
+        return isinstance(wrapper, ParameterOffload) or (_stage(wrapper) == 3 and wrapper.evaluation_only)
 
 
 class ZeroStage12Optimizer(metaclass=_WrapperCheck):
