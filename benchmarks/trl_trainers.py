@@ -1,0 +1,110 @@
+"""TRL's trainers (SFT, DPO, GRPO with a KL reference) on shardspeed, and on DeepSpeed when given: a table of
+logged losses per trainer x ZeRO stage (x optimizer offload).
+
+    python benchmarks/trl_trainers.py [--deepspeed-python /path/to/ds-venv/bin/python] [--steps 3]
+
+Runs tests/integrations/trl_job.py (tiny Llama from a config, 2 CPU ranks, fp32) under torchrun with this
+interpreter and the `deepspeed` alias staged on PYTHONPATH; with --deepspeed-python, also in that
+environment (DeepSpeed 0.19.8, trl 1.16, transformers 5.23, accelerate 1.15; `DS_ACCELERATOR=cpu`).
+Writes benchmarks/results/trl_trainers.{json,md}. Needs trl in this interpreter (the [hf] extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from alias_path import env_with_alias  # noqa: E402
+
+from harness import free_port  # noqa: E402
+
+JOB = ROOT / "tests" / "integrations" / "trl_job.py"
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = [
+    f"{t}:{s}{o}"
+    for t in ("sft", "dpo", "grpo")
+    for s in (0, 1, 2, 3)
+    for o in ("", ":offload")
+    if s or not o
+]
+
+
+def run(python: str, env: dict, work: Path, runs: list[str], steps: int) -> dict:
+    out = work / "result.json"
+    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(JOB), "--work", str(work / "runs"), "--out", str(out),
+           "--steps", str(steps), "--runs", *runs]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{python} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _fmt(values) -> str:
+    return ", ".join(f"{v:.7g}" for v in values) if values else "-"
+
+
+def _largest_difference(a: list[float], b: list[float]) -> str:
+    return f"{max(abs(x - y) for x, y in zip(a, b)):.1e}" if len(a) == len(b) else "steps differ"
+
+
+def table(ours: dict, theirs: dict | None) -> str:
+    lines = ["| run | logged loss per step (shardspeed) | vs the same trainer at ZeRO-0 | GRPO reward / KL | "
+             "DeepSpeed 0.19.8 loss | vs DeepSpeed |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for run_name, result in ours.items():
+        zero0 = ours.get(run_name.split(":")[0] + ":0")
+        same = _largest_difference(result["loss"], zero0["loss"]) if zero0 else ""
+        extra = f"{result['reward']} / {_fmt(result['kl'])}" if "reward" in result else ""
+        ds, diff = "not run", ""
+        if theirs is not None and run_name in theirs:
+            ds, diff = (
+                _fmt(theirs[run_name]["loss"]),
+                _largest_difference(result["loss"], theirs[run_name]["loss"]),
+            )
+        lines.append(f"| `{run_name}` | {_fmt(result['loss'])} | {same} | {extra} | {ds} | {diff} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--deepspeed-python", help="python of an environment with DeepSpeed and trl")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--runs", nargs="+", default=RUNS)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "ss").mkdir()
+        env = env_with_alias(tmp / "ss" / "site")
+        env.update(SHARDSPEED_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+        ours = run(sys.executable, env, tmp / "ss", args.runs, args.steps)
+        theirs = None
+        if args.deepspeed_python:
+            (tmp / "ds").mkdir()
+            ds_env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+            ds_env.pop("PYTHONPATH", None)
+            theirs = run(args.deepspeed_python, ds_env, tmp / "ds", args.runs, args.steps)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "trl_trainers.json").write_text(
+        json.dumps({"shardspeed": ours, "deepspeed": theirs}, indent=1)
+    )
+    text = table(ours, theirs)
+    (RESULTS / "trl_trainers.md").write_text(
+        "# TRL's trainers on 2 CPU ranks\n\n"
+        "`python benchmarks/trl_trainers.py` (tests/integrations/trl_job.py: trl 1.16.0, transformers 5.23.0, "
+        f"accelerate 1.15.0; a tiny Llama from a config, fp32, {args.steps} steps). `trainer:stage[:offload]`; "
+        "offload = `offload_optimizer: cpu`.\n\n" + text + "\n"
+    )
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
