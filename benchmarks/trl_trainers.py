@@ -1,5 +1,5 @@
-"""TRL's trainers (SFT, DPO, GRPO with a KL reference) on shardspeed, and on DeepSpeed when given: a table of
-logged losses per trainer x ZeRO stage (x optimizer offload).
+"""TRL's trainers (SFT, DPO, GRPO and RLOO with a KL reference, reward model) on shardspeed, and on DeepSpeed
+when given: a table of logged losses per trainer x ZeRO stage (x optimizer offload).
 
     python benchmarks/trl_trainers.py [--deepspeed-python /path/to/ds-venv/bin/python] [--steps 3]
 
@@ -31,7 +31,7 @@ JOB = ROOT / "tests" / "integrations" / "trl_job.py"
 RESULTS = ROOT / "benchmarks" / "results"
 RUNS = [
     f"{t}:{s}{o}"
-    for t in ("sft", "dpo", "grpo")
+    for t in ("sft", "dpo", "grpo", "rloo", "reward")
     for s in (0, 1, 2, 3)
     for o in ("", ":offload")
     if s or not o
@@ -63,6 +63,8 @@ def table(ours: dict, theirs: dict | None) -> str:
     for run_name, result in ours.items():
         zero0 = ours.get(run_name.split(":")[0] + ":0")
         same = _largest_difference(result["loss"], zero0["loss"]) if zero0 else ""
+        if zero0 and "kl" in result:
+            same += f" (KL: {_largest_difference(result['kl'], zero0['kl'])})"
         extra = f"{result['reward']} / {_fmt(result['kl'])}" if "reward" in result else ""
         ds, diff = "not run", ""
         if theirs is not None and run_name in theirs:
@@ -101,7 +103,9 @@ def main() -> None:
         "# TRL's trainers on 2 CPU ranks\n\n"
         "`python benchmarks/trl_trainers.py` (tests/integrations/trl_job.py: trl 1.16.0, transformers 5.23.0, "
         f"accelerate 1.15.0; a tiny Llama from a config, fp32, {args.steps} steps). `trainer:stage[:offload]`; "
-        "offload = `offload_optimizer: cpu`.\n\n" + text + "\n"
+        "offload = `offload_optimizer: cpu`.\n\n" + text + "\n\n"
+        "With two generations per prompt RLOO's advantages are r1 - r2 and r2 - r1, so its logged loss is 0 while "
+        "its gradient is not (the KL column shows the policy moving).\n"
     )
     print(text)
 

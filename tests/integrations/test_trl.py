@@ -1,8 +1,9 @@
-"""TRL's SFT, DPO and GRPO (with a KL reference model) trainers, unchanged, on 2 ranks at ZeRO 2 and 3.
+"""TRL's SFT, DPO, GRPO and RLOO (both with a KL reference model) and reward-model trainers, unchanged, on 2
+ranks at ZeRO 2 and 3.
 
 At ZeRO-3 TRL builds the reference model's engine with dotted top-level keys (`"zero_optimization.
 reduce_bucket_size"`, ...) and, for GRPO, takes the policy's ZeRO-3 hooks off around generation and puts them
-back (`engine.optimizer.parameter_offload`). A tiny Llama built from a config, data built in memory, 3 steps
+back (`engine.optimizer.parameter_offload`); RLOO does the same. A tiny Llama built from a config, data built in memory, 3 steps
 per run. Needs the [hf] extra (transformers, accelerate, trl); skipped without it.
 """
 
@@ -15,7 +16,8 @@ pytest.importorskip("trl", reason="needs the [hf] extra (transformers, accelerat
 
 from .jobs import run_job
 
-RUNS = ["sft:2", "dpo:2", "grpo:2", "sft:3", "dpo:3", "grpo:3", "grpo:3:offload"]
+TRAINERS = ("sft", "dpo", "grpo", "rloo", "reward")
+RUNS = [f"{name}:{stage}" for name in TRAINERS for stage in (2, 3)] + ["grpo:3:offload"]
 HIDDEN = 32  # trl_job.py's tiny Llama
 
 
@@ -25,20 +27,26 @@ def _close(a: list[float], b: list[float], tol: float) -> bool:
 
 def test_trl_trainers_train_at_zero_2_and_3(tmp_path):
     results = run_job("trl_job.py", tmp_path, "--runs", *RUNS, "--steps", "3")
-    for name in ("sft", "dpo", "grpo"):
+    for name in TRAINERS:
         zero2 = results[f"{name}:2"]
         assert len(zero2["loss"]) == 3, zero2
         for run in [f"{name}:3"] + (["grpo:3:offload"] if name == "grpo" else []):
             # ZeRO-3 (and ZeRO-3 with the optimizer on the host) gives ZeRO-2's losses: same data, same
             # sampling, fp32
             assert _close(results[run]["loss"], zero2["loss"], 1e-5), (run, results[run], zero2)
+            if "kl" in zero2:  # the sampled completions are the same, the reference model's view too
+                assert results[run]["reward"] == zero2["reward"]
+                assert _close(results[run]["kl"], zero2["kl"], 1e-6), (run, results[run], zero2)
     assert results["sft:2"]["loss"][-1] < results["sft:2"]["loss"][0]  # it learns
     assert results["dpo:2"]["rewards/margins"][-1] > 0
-    for run in ("grpo:3", "grpo:3:offload"):
-        grpo = results[run]
-        assert grpo["reward"] == results["grpo:2"]["reward"]  # generation saw the same weights
-        assert grpo["kl"][-1] > 0  # the reference model is in use
-    for run in ("dpo:3", "grpo:3"):  # TRL's prepare_deepspeed: its dotted keys reached the reference engine
+    assert results["reward:2"]["loss"][-1] < results["reward:2"]["loss"][0]
+    for run in ("grpo:3", "grpo:3:offload", "rloo:3"):
+        assert results[run]["kl"][-1] != 0  # the reference model is in use and the policy has moved
+    for run in (
+        "dpo:3",
+        "grpo:3",
+        "rloo:3",
+    ):  # TRL's prepare_deepspeed: its dotted keys reached the reference engine
         assert results[run]["reference"] == "engine"
         assert results[run]["reference optimizer is DeepSpeedZeRoOffload"]
         assert results[run]["reference zero"] == {

@@ -170,7 +170,36 @@ def _reference_engine(ref) -> dict:
     }
 
 
-TRAINERS = {"sft": sft, "dpo": dpo, "grpo": grpo}
+def rloo(model_path: str, args: dict):
+    from trl import RLOOConfig, RLOOTrainer
+
+    data = Dataset.from_dict({"prompt": [f"the {WORDS[2 + i % 2]} {WORDS[4 + i % 2]}" for i in range(16)]})
+    config = RLOOConfig(**args, num_generations=2, max_completion_length=6, beta=0.1, shuffle_dataset=False)
+    return RLOOTrainer(
+        model=model_path,
+        reward_funcs=reward_cats,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer(),
+    )
+
+
+def reward(model_path: str, args: dict):
+    """A reward model: the saved causal LM loaded as a sequence classifier (its score head initialised from
+    the seed), trained on preference pairs."""
+    from trl import RewardConfig, RewardTrainer
+
+    data = Dataset.from_dict(
+        {
+            "chosen": [f"the cat sat on the {WORDS[8 + i % 2]}" for i in range(16)],
+            "rejected": [f"the dog ran under {WORDS[14 + i % 2]} it" for i in range(16)],
+        }
+    )
+    config = RewardConfig(**args, max_length=16)
+    return RewardTrainer(model=model_path, args=config, train_dataset=data, processing_class=tokenizer())
+
+
+TRAINERS = {"sft": sft, "dpo": dpo, "grpo": grpo, "rloo": rloo, "reward": reward}
 LOGGED = ("loss", "reward", "kl", "rewards/chosen", "rewards/margins")
 
 
