@@ -177,7 +177,12 @@ def _dtype_from_config(config) -> torch.dtype | None:
     raw = read_config_source(config)
 
     def enabled(*names: str) -> bool:
-        return any(isinstance(raw.get(n), dict) and raw[n].get("enabled") is True for n in names)
+        def one(name: str):
+            if f"{name}.enabled" in raw:  # a dotted top-level key wins over the nested one (config/dotted.py)
+                return raw[f"{name}.enabled"]
+            return raw[name].get("enabled") if isinstance(raw.get(name), dict) else None
+
+        return any(one(n) is True for n in names)
 
     return torch.float16 if enabled("fp16") else torch.bfloat16 if enabled("bf16", "bfloat16") else None
 

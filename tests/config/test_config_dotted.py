@@ -135,3 +135,13 @@ def test_auto_through_a_dotted_key_is_handled_as_nested_auto():
     with pytest.warns(UserWarning, match=r"zero_optimization.reduce_bucket_size"):
         cfg = load_config({"train_batch_size": 4, "zero_optimization.reduce_bucket_size": "auto"})
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+
+
+def test_zero_init_reads_a_dotted_precision_key_as_the_engine_does():
+    import torch
+
+    from shardspeed.zero.init import _dtype_from_config  # zero.Init reads only the precision blocks
+
+    assert _dtype_from_config({"bf16.enabled": True}) is torch.bfloat16
+    assert _dtype_from_config({"fp16": {"enabled": False}, "fp16.enabled": True}) is torch.float16
+    assert _dtype_from_config({"bf16": {"enabled": True}, "bf16.enabled": False}) is None
