@@ -107,7 +107,7 @@ class Stage3Coordinator:
         for module in root.modules():
             external_params_of(module)
             # DeepSpeed's method, which TRL's `remove_hooks` reads on the root: (id, parameter) pairs
-            module.ds_external_parameters = types.MethodType(_ds_external_parameters, module)
+            module.ds_external_parameters = types.MethodType(ds_external_parameters, module)
             if any(p is not None and id(p) in self.owner for p in module._parameters.values()):
                 module._parameters = _GatheringParameters(module._parameters, self)
 
@@ -456,7 +456,9 @@ def external_params_of(module: nn.Module) -> dict:
     return module._external_params
 
 
-def _ds_external_parameters(module: nn.Module):
+def ds_external_parameters(module: nn.Module):
+    """DeepSpeed's `module.ds_external_parameters()`, bound to each hooked model's modules: the (id, parameter)
+    pairs of the other modules' parameters registered with this one."""
     return external_params_of(module).items()
 
 
