@@ -70,7 +70,8 @@ def create_app(service: GenerationService, *, metrics=None, api_key: str | None 
                max_body_bytes: int = 2**21) -> FastAPI:  # fmt: skip
     """The application over a started ``GenerationService``."""
     app = FastAPI(title="shardspeed-serve", version="1", summary="OpenAI-compatible completions and chat")
-    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, metrics=metrics)
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, metrics=metrics,
+                       routes=app.router.routes)  # fmt: skip
     install_error_handlers(app)
     _info_routes(app, service, metrics)
     _generation_routes(app, service)

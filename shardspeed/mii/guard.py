@@ -17,6 +17,8 @@ import json
 import logging
 import time
 
+from starlette.routing import Match
+
 from .errors import error_body
 
 __all__ = ["Guard"]
@@ -34,8 +36,9 @@ async def _send_error(send, status: int, message: str, param=None, code=None, he
 
 
 class Guard:
-    def __init__(self, app, *, max_body_bytes: int, api_key: str | None = None, metrics=None):
+    def __init__(self, app, *, max_body_bytes: int, api_key: str | None = None, metrics=None, routes=()):
         self.app, self.max_body_bytes, self.api_key, self.metrics = app, max_body_bytes, api_key, metrics
+        self.routes = routes  # the application's routes, to name the route of a request answered here
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -89,10 +92,20 @@ class Guard:
         await _send_error(send, 413, f"body: larger than the server's limit of {self.max_body_bytes} bytes "
                                      f"(shardspeed-serve --max-body-bytes)", "body")  # fmt: skip
 
+    def _route(self, scope) -> str | None:
+        """The template of the route ``scope`` went to (or would have: a 401 or 413 answered here)."""
+        route = scope.get("route")  # set by the router on the way in
+        if route is None:
+            for candidate in self.routes:
+                if candidate.matches(scope)[0] is not Match.NONE:
+                    route = candidate
+                    break
+        return getattr(route, "path", None)
+
     def _record(self, scope, status: int, seconds: float, details: dict) -> None:
         path = scope["path"]
         if self.metrics is not None:
-            self.metrics.request_done(path, status)
+            self.metrics.request_done(self._route(scope), status)
         if path in ("/health", "/metrics"):
             return  # probes and scrapes would drown the log
         line = {"method": scope["method"], "path": path, "status": status, "ms": round(1000 * seconds, 1)}

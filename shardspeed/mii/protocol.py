@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 MAX_SEED = 2**63 - 1  # a torch generator's seed is a 64-bit integer; OpenAI's seeds fit in int64 too
+MAX_STOPS = 4  # OpenAI's limit on stop sequences
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for (legacy) completions; chat has none (up to the context)
 
 
 def _valid_unicode(value: str) -> str:
@@ -43,6 +45,14 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+def _at_most_4(value):
+    """A stop list over the limit, said as such (else the union's first member, a string, is what the
+    error names: "Input should be a valid string")."""
+    if isinstance(value, list) and len(value) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} sequences ({len(value)} given)")
+    return value
 
 
 class _Body(BaseModel):
@@ -64,7 +74,7 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=128, description="choices per prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = Field(
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = Field(
         None, description="up to 4 strings; generation ends before the first one, which is not returned"
     )
     presence_penalty: Penalty = 0.0
@@ -79,6 +89,11 @@ class _Sampling(_Body):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, description="vLLM: 1 = none")
     min_tokens: int = Field(0, ge=0, le=2**31 - 1, description="vLLM: no stop before this many tokens")
     ignore_eos: bool = Field(False, description="vLLM: do not stop at the end-of-text token")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_limit(cls, value):
+        return _at_most_4(value)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -100,7 +115,9 @@ class CompletionRequest(_Sampling):
         | Annotated[list[TokenId], Field(min_length=1, max_length=1_048_576)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
     ) = Field(description="a string, a list of strings, a list of token ids, or a list of such lists")
-    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1, description="new tokens at most (default 16)")
+    max_tokens: int | None = Field(
+        DEFAULT_MAX_TOKENS, ge=1, le=2**31 - 1, description="new tokens at most; absent or null: 16"
+    )
     echo: bool = Field(False, description="return the prompt before the completion")
     logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of this many top tokens")
     best_of: int | None = Field(
@@ -110,6 +127,13 @@ class CompletionRequest(_Sampling):
         description="generate this many per prompt, return the n of best mean log-probability",
     )
     suffix: Text | None = Field(None, description="not supported: must be absent or null")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_the_default(cls, value):
+        # OpenAI documents 16 as the default; a client that spells "no value" as null means that default,
+        # not the whole context (which is what null means for chat, where no default is documented).
+        return DEFAULT_MAX_TOKENS if value is None else value
 
     @field_validator("suffix")
     @classmethod
@@ -178,9 +202,14 @@ class MIIRequest(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = None
     ignore_eos: bool = False
     return_full_text: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_limit(cls, value):
+        return _at_most_4(value)
 
     @model_validator(mode="after")
     def _one_length(self):

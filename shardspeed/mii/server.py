@@ -102,6 +102,13 @@ def main(argv=None) -> int:
         return _relaunch_under_launcher(args, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("shardspeed.mii").setLevel(args.log_level.upper())  # shardspeed's logger is at INFO
+    # Every log line on stderr, as --help says: shardspeed's package logger writes to stdout (DeepSpeed's
+    # habit, which training output follows), and the request log goes through it.
+    from shardspeed.utils.logging import logger as package_logger  # creates its handler if not yet there
+
+    for handler in package_logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
     from shardspeed.inference.scheduler import ContinuousBatcher
 
     from .engine_loop import EngineLoop

@@ -28,7 +28,14 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 from shardspeed.mii.tokenizer import byte_tokenizer  # noqa: E402
 
-from .server_common import PROMPTS, reference_ids, save_tiny_llama, start_server, stop_server  # noqa: E402
+from .server_common import (  # noqa: E402
+    PROMPTS,
+    reference_ids,
+    save_tiny_llama,
+    server_log,
+    start_server,
+    stop_server,
+)
 
 KEY = "test-key"
 
@@ -38,13 +45,13 @@ def server(tmp_path_factory):
     model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     process, base = start_server(model_dir, "--api-key", KEY, "--max-body-bytes", "65536", "--max-batch", "8")
     try:
-        yield base, LlamaForCausalLM.from_pretrained(model_dir).eval(), byte_tokenizer()
+        yield base, LlamaForCausalLM.from_pretrained(model_dir).eval(), byte_tokenizer(), process
     finally:
         assert stop_server(process) == 0
 
 
 def test_openai_client(server):
-    base, model, tokenizer = server
+    base, model, tokenizer, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
     def greedy(prompt_ids, n):
@@ -204,7 +211,7 @@ def _bad_requests():
 
 
 def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(server):
-    base, _, _ = server
+    base, *_ = server
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     cases = _bad_requests()
     assert len(cases) >= 40
@@ -229,9 +236,41 @@ def test_bad_requests_are_refused_by_name_and_the_server_keeps_serving(server):
         assert http.get("/health").json()["status"] == "ok"
 
 
+def test_documented_defaults_error_details_metrics_and_log(server):
+    """What docs/inference.md promises, checked one by one against the live server."""
+    base, _, _, process = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=base, headers=headers, timeout=300) as http:
+        # max_tokens null: completions' documented default (16, OpenAI's); chat: up to the context
+        plain = {"prompt": "x", "ignore_eos": True, "max_tokens": None}
+        assert http.post("/v1/completions", json=plain).json()["usage"]["completion_tokens"] == 16
+        chat = {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True, "max_tokens": None}
+        answer = http.post("/v1/chat/completions", json=chat).json()
+        context = http.get("/v1/models/tiny").json()["max_model_len"]
+        assert answer["usage"]["completion_tokens"] == context - answer["usage"]["prompt_tokens"]
+
+        # a stop list over the limit names the limit, not a type the list is not
+        error = http.post("/v1/completions", json={"prompt": "x", "stop": ["a"] * 1000}).json()["error"]
+        assert error["param"] == "stop" and error["message"].startswith("stop: at most 4 sequences"), error
+        # a body that is not valid JSON (here: not UTF-8) names the body
+        for body in (b'{"prompt": "\xff"}', b"{not json"):
+            response = http.post(
+                "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+            )
+            assert response.status_code == 400 and response.json()["error"]["param"] == "body", response.text
+
+        # /metrics labels a route with a parameter by its template
+        assert http.get("/v1/models/tiny").status_code == 200
+        metrics = http.get("/metrics").text
+    assert 'shardspeed_requests_total{route="/v1/models/{model}",status="200"}' in metrics, metrics
+    # the request log goes to stderr (--help and the docs say so), nothing of it to stdout
+    assert '"path": "/v1/models/tiny"' in server_log(process, "stderr")
+    assert '"path": ' not in server_log(process, "stdout")
+
+
 def test_schemathesis_finds_no_server_error(server, tmp_path):
     pytest.importorskip("schemathesis", reason="the serve-tests extra is not installed (integration stage)")
-    base, _, _ = server
+    base, *_ = server
     # Bounded: a fixed number of examples per operation, and the run itself under a time limit.
     command = [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json", "--checks",
                "not_a_server_error", "--max-examples", "5", "--phases", "examples,coverage,fuzzing", "--workers", "1",
