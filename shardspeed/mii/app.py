@@ -13,20 +13,26 @@ import asyncio
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .chat import chat_prompt_ids
 from .errors import APIError, error_body, install_error_handlers
 from .guard import Guard
 from .metrics import CONTENT_TYPE
-from .protocol import ChatCompletionRequest, CompletionRequest, MIIRequest
+from .openapi import install_schema, responses
+from .protocol import LIMIT, ChatCompletionRequest, CompletionRequest, MIIRequest
 from .responses import chat_logprobs, completion_logprobs, sse
 from .service import GenerationFailed, GenerationService, Run
 
 __all__ = ["create_app"]
 
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
+
+
+def _served_model():
+    """A path parameter naming the served model (openapi.py); one object per route: FastAPI names it."""
+    return Path(json_schema_extra={LIMIT: "model-name"})
 
 
 class _ClientGone(Exception):
@@ -75,6 +81,8 @@ def create_app(service: GenerationService, *, metrics=None, api_key: str | None 
     install_error_handlers(app)
     _info_routes(app, service, metrics)
     _generation_routes(app, service)
+    install_schema(app, vocab_size=service.vocab_size, context=service.context, model_name=service.model_name,
+                   api_key=api_key is not None)  # fmt: skip
     return app
 
 
@@ -84,7 +92,7 @@ def _info_routes(app: FastAPI, service: GenerationService, metrics) -> None:
         return {"id": service.model_name, "object": "model", "created": service.created,
                 "owned_by": "shardspeed", "max_model_len": service.context}  # fmt: skip
 
-    @app.get("/health")
+    @app.get("/health", responses=responses("health"))
     async def health():
         loop, batcher = service.loop, service.loop.batcher
         status = "failed" if loop.error is not None else "stopping" if loop.stopping else "ok"
@@ -96,18 +104,18 @@ def _info_routes(app: FastAPI, service: GenerationService, metrics) -> None:
             body["error"] = repr(loop.error)
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        if metrics is None:
-            raise APIError(404, "metrics: this server was started without them")
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    if metrics is not None:  # else no route: a 404 like any unknown path
+
+        @app.get("/metrics", response_class=Response, responses=responses("metrics"))
+        async def prometheus_metrics():
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model}")
-    async def model(model: str):
+    @app.get("/v1/models/{model}", responses=responses("model"))
+    async def model(model: str = _served_model()):
         service.check_model(model)
         return model_card()
 
@@ -115,7 +123,7 @@ def _info_routes(app: FastAPI, service: GenerationService, metrics) -> None:
 def _generation_routes(app: FastAPI, service: GenerationService) -> None:
     tokenizer = service.tokenizer
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=responses("stream"))
     async def completions(body: CompletionRequest, request: Request):
         service.check_model(body.model)
         prompts = service.encode(body.prompt)
@@ -142,7 +150,7 @@ def _generation_routes(app: FastAPI, service: GenerationService) -> None:
         return {"id": ids, "object": "text_completion", "created": created, "model": service.model_name,
                 "choices": choices, "usage": run.usage()}  # fmt: skip
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=responses("stream"))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service.check_model(body.model)
         prompts = [chat_prompt_ids(tokenizer, body.messages)]
@@ -163,8 +171,8 @@ def _generation_routes(app: FastAPI, service: GenerationService) -> None:
         return {"id": ids, "object": "chat.completion", "created": created, "model": service.model_name,
                 "choices": [shape.choice(c) for c in run.candidates], "usage": run.usage()}  # fmt: skip
 
-    @app.post("/mii/{deployment_name}")
-    async def mii_generate(deployment_name: str, body: MIIRequest, request: Request):
+    @app.post("/mii/{deployment_name}", responses=responses("generation"))
+    async def mii_generate(body: MIIRequest, request: Request, deployment_name: str = _served_model()):
         if deployment_name != service.model_name:
             raise APIError(404, f"deployment_name: unknown deployment {deployment_name!r}", "deployment_name")
         prompts = service.encode(body.prompts, "prompts")
@@ -186,7 +194,7 @@ def _generation_routes(app: FastAPI, service: GenerationService) -> None:
 
 def _too_short(max_length: int, prompt_length: int):
     raise APIError(400, f"max_length: {max_length} leaves no new token after a prompt of {prompt_length} tokens "
-                   "(MII's max_length counts the prompt)", "max_length")  # fmt: skip
+                   "(MII's max_length counts the prompt)", "max_length", "context_length_exceeded")  # fmt: skip
 
 
 async def _finish(service: GenerationService, run: Run, request: Request) -> None:

@@ -13,13 +13,38 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-__all__ = ["APIError", "error_body", "error_response", "install_error_handlers", "validation_error"]
+__all__ = [
+    "APIError",
+    "ErrorBody",
+    "error_body",
+    "error_response",
+    "install_error_handlers",
+    "validation_error",
+]
 
 logger = logging.getLogger("shardspeed.mii.server")
 
 _TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what is wrong, starting with the field it is about")
+    type: str = Field(
+        description="invalid_request_error, authentication_error, not_found_error or server_error"
+    )
+    param: str | None = Field(description="the field at fault (messages[0].content, body, ...), if one is")
+    code: str | None = Field(
+        description="a machine-readable reason where there is one (model_not_found, ...)"
+    )
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape: every error answer's body, and a stream's error event."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):

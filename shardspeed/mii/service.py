@@ -23,6 +23,7 @@ from .text import TextStream
 __all__ = ["Candidate", "GenerationFailed", "GenerationService", "Run"]
 
 MAX_CANDIDATES = 256  # prompts x n (or best_of) in one request
+CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt and budget over the context
 
 
 class GenerationFailed(Exception):
@@ -158,7 +159,7 @@ class GenerationService:
             encoded = [prompt] if isinstance(prompt[0], int) else prompt
         for ids in encoded:
             if not ids:
-                raise APIError(400, f"{param}: encodes to no tokens", param)
+                raise APIError(400, f"{param}: encodes to no tokens", param, "empty_prompt")
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise APIError(
@@ -173,12 +174,12 @@ class GenerationService:
         longest = max(len(p) for p in prompts)
         if longest >= self.context:
             raise APIError(400, f"{prompt_param}: {longest} tokens leave no room in the model's context of "
-                           f"{self.context} tokens", prompt_param)  # fmt: skip
+                           f"{self.context} tokens", prompt_param, CONTEXT_EXCEEDED)  # fmt: skip
         if max_new is None:
             return self.context - longest
         if longest + max_new > self.context:
             raise APIError(400, f"{param}: prompt ({longest} tokens) + {param} ({max_new}) exceeds the model's "
-                           f"context of {self.context} tokens", param)  # fmt: skip
+                           f"context of {self.context} tokens", param, CONTEXT_EXCEEDED)  # fmt: skip
         return max_new
 
     def settings(self, body, max_new: int, logprobs: int | None = None, echo_logprobs: bool = False):
@@ -193,7 +194,8 @@ class GenerationService:
         min_new = getattr(body, "min_tokens", None) or getattr(body, "min_new_tokens", 0)
         if min_new > max_new:
             name = "min_tokens" if hasattr(body, "min_tokens") else "min_new_tokens"
-            raise APIError(400, f"{name}: {min_new} is more than the {max_new} new tokens allowed", name)
+            raise APIError(400, f"{name}: {min_new} is more than the {max_new} new tokens allowed", name,
+                           "min_tokens_above_max_tokens")  # fmt: skip
         settings = GenerationSettings(
             max_new_tokens=max_new, do_sample=do_sample, temperature=temperature if do_sample else 1.0,
             top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p,
@@ -212,7 +214,10 @@ class GenerationService:
         """One generation per prompt and choice; ``settings`` one for all prompts or a list, one each."""
         if len(prompts) * n > MAX_CANDIDATES:
             raise APIError(
-                400, f"n: {len(prompts)} prompts x {n} generations exceeds {MAX_CANDIDATES} per request", "n"
+                400,
+                f"n: {len(prompts)} prompts x {n} generations exceeds {MAX_CANDIDATES} per request",
+                "n",
+                "too_many_generations",
             )
         if self.loop.error is not None:
             raise APIError(503, f"the generation loop failed ({self.loop.error!r}); the server is stopping")

@@ -3,17 +3,20 @@
 One live `shardspeed-serve` (a tiny random Llama, byte tokenizer, prefix caching on, an API key) on
 loopback. The `openai` client's completions and chat, plain and streaming, with `stop`, `logprobs`, `n`,
 `echo`, token-id prompts and usage; greedy answers equal the model's own `generate`. Then a battery of bad
-requests, each answered 4xx with the field named and followed by a good request that succeeds; then
-schemathesis against the server's own `/openapi.json` (bounded examples), which must find no 5xx; then
-`/metrics` shows what was served.
+requests, each answered 4xx with the field named and followed by a good request that succeeds; the
+documented defaults, error details, metric labels and log stream; then schemathesis with every check
+against the server's own `/openapi.json` (bounded examples), which must find nothing; then `/metrics` shows
+what was served.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -249,6 +252,12 @@ def test_documented_defaults_error_details_metrics_and_log(server):
         context = http.get("/v1/models/tiny").json()["max_model_len"]
         assert answer["usage"]["completion_tokens"] == context - answer["usage"]["prompt_tokens"]
 
+        # a limit the schema cannot state says which in error.code (the schema's 400 lists them)
+        error = http.post("/v1/completions", json={"prompt": "x", "max_tokens": context}).json()["error"]
+        assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded"), error
+        error = http.post("/v1/completions", json={"prompt": "x", "min_tokens": 17}).json()["error"]
+        assert (error["param"], error["code"]) == ("min_tokens", "min_tokens_above_max_tokens"), error
+
         # a stop list over the limit names the limit, not a type the list is not
         error = http.post("/v1/completions", json={"prompt": "x", "stop": ["a"] * 1000}).json()["error"]
         assert error["param"] == "stop" and error["message"].startswith("stop: at most 4 sequences"), error
@@ -268,16 +277,28 @@ def test_documented_defaults_error_details_metrics_and_log(server):
     assert '"path": ' not in server_log(process, "stdout")
 
 
-def test_schemathesis_finds_no_server_error(server, tmp_path):
+def test_schemathesis_with_every_check_finds_nothing(server, tmp_path):
+    """Every check schemathesis has, against the live server's own /openapi.json: no 5xx, every status and
+    media type answered is documented, every response (and stream event) fits its schema, every request
+    the schema calls invalid is refused and every one it calls valid is accepted (less the 400s whose
+    ``error.code`` names a limit no JSON Schema can state: schemathesis_hooks.py), auth enforced.
+    Bounded: a fixed number of examples per operation, a fixed seed, and the run under a time limit. The
+    response-time check is a hang detector here (300 s, as the request timeout), not a speed test."""
     pytest.importorskip("schemathesis", reason="the serve-tests extra is not installed (integration stage)")
     base, *_ = server
-    # Bounded: a fixed number of examples per operation, and the run itself under a time limit.
-    command = [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json", "--checks",
-               "not_a_server_error", "--max-examples", "5", "--phases", "examples,coverage,fuzzing", "--workers", "1",
-               "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "120", "--suppress-health-check", "all",
-               "--seed", "1", "--exclude-path", "/metrics"]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    command = [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json", "--checks", "all",
+               "--exclude-checks", "positive_data_acceptance", "--max-examples", "20",
+               "--phases", "examples,coverage,fuzzing,stateful", "--workers", "1", "--header", f"Authorization: Bearer {KEY}",
+               "--request-timeout", "300", "--max-response-time", "300", "--suppress-health-check", "all", "--seed", "1",
+               "--no-color"]  # fmt: skip
+    # The hooks module registers the narrowed positive_data_acceptance ("all" then includes it) and notes
+    # in a file that it ran.
+    ran = tmp_path / "narrowed-check-ran"
+    env = dict(os.environ, SCHEMATHESIS_HOOKS="schemathesis_hooks", PYTHONPATH=str(Path(__file__).parent),
+               SHARDSPEED_CHECK_RAN=str(ran))  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
+    assert ran.exists(), "the narrowed positive_data_acceptance check never ran"
     with httpx.Client(base_url=base, timeout=60) as http:
         metrics = http.get("/metrics").text
         assert http.get("/health").json()["status"] == "ok"
@@ -286,3 +307,16 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
                  "shardspeed_kv_blocks_in_use", "shardspeed_prompt_tokens_total", "shardspeed_generation_tokens_total"):  # fmt: skip
         assert name in metrics, name
     assert 'status="500"' not in metrics
+
+
+def test_the_vocabulary_pattern_matches_exactly_the_ids_below_its_size():
+    """/openapi.json's pattern for logit_bias keys: every canonical decimal below n, nothing else."""
+    import re
+
+    from shardspeed.mii.openapi import decimal_below
+
+    for n in (*range(1, 130), 257, 1000, 1001, 32000, 128256):
+        pattern = re.compile(decimal_below(n))
+        for value in (*range(0, 130), *range(n - 3, n + 3), 999, 1000, 1001, 31999, 32000, 128255, 128256):
+            assert bool(pattern.fullmatch(str(value))) == (0 <= value < n), (n, value)
+        assert not pattern.fullmatch("01") and not pattern.fullmatch("") and not pattern.fullmatch("-1")
