@@ -4,7 +4,7 @@ Bodies are the typed models of protocol.py (refused with a 400 naming the field 
 routes turn them into generations through ``GenerationService`` (service.py) and shape the answers
 (responses.py). A non-streaming request whose client disconnects is cancelled; a streaming one is cancelled
 when its stream is closed. A generation that fails answers 500 (or an error event in a stream) for that
-request alone.
+request alone; one the server's shutdown ends (lifecycle.py) answers 503 the same way.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .chat import chat_prompt_ids
 from .errors import APIError, error_body, install_error_handlers
 from .guard import Guard
+from .lifecycle import Lifecycle
 from .metrics import CONTENT_TYPE
 from .openapi import install_schema, responses
 from .protocol import LIMIT, ChatCompletionRequest, CompletionRequest, MIIRequest
 from .responses import chat_logprobs, completion_logprobs, sse
-from .service import GenerationFailed, GenerationService, Run
+from .service import GenerationAborted, GenerationFailed, GenerationService, Run
 
 __all__ = ["create_app"]
 
@@ -73,20 +74,21 @@ def _best(run: Run, n: int) -> list:
 
 
 def create_app(service: GenerationService, *, metrics=None, api_key: str | None = None,
-               max_body_bytes: int = 2**21) -> FastAPI:  # fmt: skip
-    """The application over a started ``GenerationService``."""
+               max_body_bytes: int = 2**21, shutdown_timeout: float = 5.0) -> FastAPI:  # fmt: skip
+    """The application over a started ``GenerationService``; ``app.state.lifecycle`` drains it (server.py)."""
     app = FastAPI(title="shardspeed-serve", version="1", summary="OpenAI-compatible completions and chat")
+    lifecycle = app.state.lifecycle = Lifecycle(service, shutdown_timeout)
     app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, metrics=metrics,
-                       routes=app.router.routes)  # fmt: skip
+                       routes=app.router.routes, lifecycle=lifecycle)  # fmt: skip
     install_error_handlers(app)
-    _info_routes(app, service, metrics)
+    _info_routes(app, service, metrics, lifecycle)
     _generation_routes(app, service)
     install_schema(app, vocab_size=service.vocab_size, context=service.context, model_name=service.model_name,
                    api_key=api_key is not None)  # fmt: skip
     return app
 
 
-def _info_routes(app: FastAPI, service: GenerationService, metrics) -> None:
+def _info_routes(app: FastAPI, service: GenerationService, metrics, lifecycle: Lifecycle) -> None:
 
     def model_card() -> dict:
         return {"id": service.model_name, "object": "model", "created": service.created,
@@ -95,7 +97,8 @@ def _info_routes(app: FastAPI, service: GenerationService, metrics) -> None:
     @app.get("/health", responses=responses("health"))
     async def health():
         loop, batcher = service.loop, service.loop.batcher
-        status = "failed" if loop.error is not None else "stopping" if loop.stopping else "ok"
+        stopping = loop.stopping or not lifecycle.serving
+        status = "failed" if loop.error is not None else "stopping" if stopping else "ok"
         body = {"status": status, "running": len(batcher.running), "waiting": len(batcher.waiting),
                 "cancelled_requests": batcher.cancelled_count, "failed_requests": batcher.failed_count,
                 "max_batch_seen": batcher.max_running_seen, "free_kv_blocks": batcher.cache.free_blocks,
@@ -197,11 +200,17 @@ def _too_short(max_length: int, prompt_length: int):
                    "(MII's max_length counts the prompt)", "max_length", "context_length_exceeded")  # fmt: skip
 
 
+def _failure(error: GenerationFailed) -> str:
+    if isinstance(error, GenerationAborted):
+        return f"{error}: the generation was ended before it finished"
+    return f"generation failed: {error}"
+
+
 async def _finish(service: GenerationService, run: Run, request: Request) -> None:
     try:
         await _collect(run, request)
     except GenerationFailed as error:
-        raise APIError(500, f"generation failed: {error}") from None
+        raise APIError(error.status, _failure(error)) from None
     except _ClientGone:
         raise APIError(CLIENT_GONE, "the client went away; its request was cancelled") from None
     finally:
@@ -280,7 +289,8 @@ class _ChatShape:
 
 
 async def _stream(service: GenerationService, run: Run, request: Request, shape, ids: str, created: int):
-    """Server-sent events: OpenAI's chunks, then a usage chunk if asked, then ``[DONE]``."""
+    """Server-sent events: OpenAI's chunks, then a usage chunk if asked, then ``[DONE]``; a generation that
+    fails or is ended by the server's shutdown: an error event (OpenAI's error body), then ``[DONE]``."""
     options = shape.body.stream_options
     usage = options is not None and options.include_usage
     object_name = "text_completion" if isinstance(shape, _CompletionShape) else "chat.completion.chunk"
@@ -305,8 +315,9 @@ async def _stream(service: GenerationService, run: Run, request: Request, shape,
         if usage:
             yield chunk([], usage=run.usage())
         yield sse("[DONE]")
-    except GenerationFailed as error:
-        yield sse(error_body(500, f"generation failed: {error}"))
+    except GenerationFailed as error:  # OpenAI's error event, then the end of the stream as always
+        yield sse(error_body(error.status, _failure(error)))
+        yield sse("[DONE]")
     finally:
         run.cancel()  # a no-op for finished candidates; the rest (client gone) leave the batch
         service.finished(run)
