@@ -18,7 +18,8 @@ tokens; logprobs on, so that every token has its chunk. Time to first token: fro
 the first chunk carrying a token. Per round: the median over the clients for each server, and the ratio of
 the two medians (without / with caching), which compares two runs made back to back under the same load.
 Reported: the median, min and max over the rounds of each; round 0 warms both servers up and is not counted.
-The answers with and without caching must be the same.
+The answers with and without caching must be the same. Then the prefill alone, in this process without HTTP
+(``engine_prefill``), for the same prompts: what caching saves before serving costs are added.
 
 Bounded: ``--rounds`` rounds, each request under a 300 s timeout, the servers stopped (by their pids) at
 the end; only 127.0.0.1 is contacted.
@@ -124,6 +125,46 @@ async def _clients(base: str, questions: list[str]) -> tuple[list[float], list[s
     return [a[0] for a in answers], [a[1] for a in answers]
 
 
+def _questions(round_index: int, clients: int) -> list[str]:
+    return [f"Round {round_index}, task {i}: reverse a list of {i + 2} items." for i in range(clients)]
+
+
+def engine_prefill(model_dir: Path, rounds: int, clients: int) -> dict:
+    """The same chat prompts prefilled in this process, without HTTP: milliseconds of prefill per request with
+    and without caching, each round's batch of ``clients`` prompts timed as one batcher step, alternating."""
+    import torch
+
+    from shardspeed.inference.generation import GenerationSettings
+    from shardspeed.inference.scheduler import BatchRequest, ContinuousBatcher
+    from shardspeed.mii.chat import chat_prompt_ids
+    from shardspeed.mii.pipeline import load_model
+    from shardspeed.mii.protocol import ChatMessage
+
+    torch.set_num_threads(1)
+    engine, tokenizer = load_model(str(model_dir))
+    batchers = {mode: ContinuousBatcher(engine.decoder, max_len=engine.config.max_out_tokens, max_batch=clients,
+                                        prefix_caching=mode == "on") for mode in ("on", "off")}  # fmt: skip
+    result: dict = {"prefill_ms": {"on": [], "off": []}, "ratio": []}
+    for round_index in range(rounds + 1):  # round 0 fills the cache (and warms up) and is not counted
+        prompts = [chat_prompt_ids(tokenizer, [ChatMessage(role="system", content=SYSTEM_PROMPT),
+                                               ChatMessage(role="user", content=question)])
+                   for question in _questions(round_index, clients)]  # fmt: skip
+        ms = {}
+        for mode in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
+            for ids in prompts:  # one new token each: the step prefills them all and they leave
+                settings = GenerationSettings(max_new_tokens=1, ignore_eos=True)
+                batchers[mode].submit(BatchRequest(ids, settings, emit=lambda token, reason: None))
+            start = time.perf_counter()
+            batchers[mode].step()
+            ms[mode] = 1000 * (time.perf_counter() - start) / clients
+        if round_index:
+            for mode in ("on", "off"):
+                result["prefill_ms"][mode].append(ms[mode])
+            result["ratio"].append(ms["off"] / ms["on"])
+    result["prompt_tokens"] = statistics.median(len(p) for p in prompts)
+    return result
+
+
 def run(model_dir: Path, rounds: int, clients: int) -> dict:
     ports = {"on": _free_port(), "off": _free_port()}
     result: dict = {"ttft_median_s": {"on": [], "off": []}, "ratio": [], "same_answers": True}
@@ -133,9 +174,7 @@ def run(model_dir: Path, rounds: int, clients: int) -> dict:
         for mode, port in ports.items():
             _wait_ready(f"http://127.0.0.1:{port}", processes[mode])
         for round_index in range(rounds + 1):  # round 0 warms both servers up and is not counted
-            questions = [
-                f"Round {round_index}, task {i}: reverse a list of {i + 2} items." for i in range(clients)
-            ]
+            questions = _questions(round_index, clients)
             medians, answers = {}, {}
             for mode in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
                 ttfts, answers[mode] = asyncio.run(_clients(f"http://127.0.0.1:{ports[mode]}", questions))
@@ -168,7 +207,7 @@ def _stat(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
 
 def render(result: dict) -> str:
     on, off, ratio = result["ttft_median_s"]["on"], result["ttft_median_s"]["off"], result["ratio"]
-    setup = result["setup"]
+    setup, engine = result["setup"], result["engine"]
     return "\n".join([
         "# Prefix caching: time to first token (benchmarks/prefix_cache.py)", "",
         f"Model: {setup['model']}. Load: {setup['clients']} streaming chat clients at once, a {setup['system_prompt_tokens']}-token "
@@ -181,6 +220,12 @@ def render(result: dict) -> str:
         f"| median time to first token, caching off (ms) | {_stat(off, 1000)} |",
         f"| ratio off / on, per round | **{_stat(ratio, digits=2)}** |", "",
         f"Same answers with and without caching: {result['same_answers']}.", "",
+        f"The prefill alone, in one process without HTTP (the same {setup['clients']} prompts of "
+        f"{engine['prompt_tokens']:.0f} tokens a round, timed as one batcher step; rounds alternate which goes first):", "",
+        "| | median over rounds (min-max) |", "|---|---|",
+        f"| prefill per request, caching on (ms) | {_stat(engine['prefill_ms']['on'], digits=1)} |",
+        f"| prefill per request, caching off (ms) | {_stat(engine['prefill_ms']['off'], digits=1)} |",
+        f"| ratio off / on, per round | **{_stat(engine['ratio'], digits=2)}** |", "",
     ])  # fmt: skip
 
 
@@ -203,6 +248,7 @@ def main() -> None:
                      f"vocabulary, context 512: {size / 1e6:.2f}M parameters, random weights ('{args.arch}')")  # fmt: skip
         load = round(os.getloadavg()[0], 1)
         result = run(model_dir, args.rounds, args.clients)
+        result["engine"] = engine_prefill(model_dir, args.rounds, args.clients)
     result["setup"] = {"model": model, "clients": args.clients, "rounds": args.rounds,
                        "system_prompt_tokens": len(SYSTEM_PROMPT.encode()), "load_average_at_start": load,
                        "load_average_at_end": round(os.getloadavg()[0], 1)}  # fmt: skip
