@@ -1,7 +1,7 @@
 """Inference speed: shardspeed's init_inference next to Hugging Face `generate` and DeepSpeed's init_inference.
 
     DS_ACCELERATOR=cpu PYTHONPATH=. /work/benchvenv/bin/python benchmarks/inference.py --parts generate tp
-    python benchmarks/inference.py --parts server prefix # an environment with the serve extra
+    python benchmarks/inference.py --parts server        # an environment with the serve extra
 
 Needs transformers (and DeepSpeed for its column; `pip install 'shardspeed[bench,serve]'`). Three parts, each
 one interleaved run (the systems take turns every round; medians and min/max over rounds):
@@ -14,11 +14,7 @@ one interleaved run (the systems take turns every round; medians and min/max ove
    same model at batch 32, launched with torchrun; DeepSpeed's tp 2 is tried once and its outcome recorded.
 3. server: `shardspeed-serve` (1 thread) on the same model saved to disk; 32 requests of 64 tokens sent one
    after another, then by 1, 8 and 32 concurrent clients; completion tokens/s over the wall time.
-4. prefix: two `shardspeed-serve` (1 thread each), prefix caching on and off, on the same architecture with
-   the byte vocabulary (257 tokens, so answers compare as text); 32 concurrent streaming chat clients share
-   a 256-token system prompt, each with its own question (new ones every round), greedy, 32 new tokens.
-   Time to first token (to the first chunk carrying a token: logprobs on, so every token has its chunk) per client, median over the 32, per round; the
-   servers take turns; the answers must be the same with and without caching.
+Prefix caching has its own script: benchmarks/prefix_cache.py.
 """
 
 from __future__ import annotations
@@ -225,73 +221,6 @@ def bench_server(rounds: int, port: int) -> dict:
     return results
 
 
-# ---- prefix caching -------------------------------------------------------------------------------------
-SYSTEM_PROMPT = ("You are a careful Python reviewer. Answer with one short line of code and nothing else. "
-                 "Prefer the standard library; never import anything that is not needed; keep names short "
-                 "and clear; follow PEP 8; do not explain; do not apologise; do not repeat the question.")[:256]  # fmt: skip
-
-
-async def _chat_clients(base: str, questions: list[str]) -> tuple[list[float], list[str]]:
-    """Streaming chat requests sent at once: (seconds to the first chunk with text, full answer) each."""
-    import httpx
-
-    async def one(http, question: str):
-        body = {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
-                "max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": True}  # fmt: skip
-        start, first, text = time.perf_counter(), None, []
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                choice = json.loads(line[6:])["choices"][0]
-                if (choice.get("logprobs") or {}).get("content"):  # a chunk per token: the first one is here
-                    first = first or time.perf_counter() - start
-                text.append(choice["delta"].get("content") or "")
-        return first, "".join(text)
-
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=64)) as http:
-        answers = await asyncio.gather(*(one(http, q) for q in questions))
-    return [a[0] for a in answers], [a[1] for a in answers]
-
-
-def bench_prefix(rounds: int, port: int) -> dict:
-    from shardspeed.mii.client import _wait_ready
-
-    results: dict = {
-        "ttft_median_s": {"on": [], "off": []},
-        "same_answers": True,
-        "system_prompt_tokens": None,
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "llama-7m-bytes"
-        _save_model(path, vocab=257)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        ports = {"on": port + 10, "off": port + 11}
-        processes = {"on": subprocess.Popen(_server_command(path, ports["on"]), env=env),
-                     "off": subprocess.Popen(_server_command(path, ports["off"], "--no-prefix-caching"), env=env)}  # fmt: skip
-        try:
-            for mode, process in processes.items():
-                _wait_ready(f"http://127.0.0.1:{ports[mode]}", process, 300)
-            results["system_prompt_tokens"] = len(SYSTEM_PROMPT.encode())
-            for round_index in range(rounds + 1):  # round 0 warms both servers up and is not counted
-                questions = [
-                    f"Round {round_index}, task {i}: reverse a list of {i + 2} items." for i in range(32)
-                ]
-                answers = {}
-                for mode in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
-                    ttfts, answers[mode] = asyncio.run(
-                        _chat_clients(f"http://127.0.0.1:{ports[mode]}", questions)
-                    )
-                    if round_index:
-                        results["ttft_median_s"][mode].append(statistics.median(ttfts))
-                results["same_answers"] &= answers["on"] == answers["off"]
-        finally:
-            for process in processes.values():
-                process.terminate()
-                process.wait(timeout=30)
-    return results
-
-
 # ---- report ---------------------------------------------------------------------------------------------
 def _stat(values) -> str:
     return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
@@ -303,8 +232,7 @@ def render(result: dict) -> str:
         "",
     ]
     lines += [result["note"], ""]
-    renderers = (("generate", _render_generate), ("tp", _render_tp), ("server", _render_server),
-                 ("prefix", _render_prefix))  # fmt: skip
+    renderers = (("generate", _render_generate), ("tp", _render_tp), ("server", _render_server))
     for part, renderer in renderers:
         if result.get(part):
             section = renderer(result[part])
@@ -387,21 +315,6 @@ def _render_server(server: dict) -> list[str]:
     return lines
 
 
-def _render_prefix(prefix: dict) -> list[str]:
-    if not prefix:
-        return []
-    on, off = prefix["ttft_median_s"]["on"], prefix["ttft_median_s"]["off"]
-    lines = ["", f"## prefix caching (32 streaming chat clients at once, a {prefix['system_prompt_tokens']}-token "
-             "shared system prompt, greedy, 32 new tokens, 1 thread)", "",
-             "| prefix caching | median time to first token (ms), median over rounds (min-max) |", "|---|---|",
-             f"| on | {_stat([1000 * v for v in on])} |", f"| off | {_stat([1000 * v for v in off])} |"]  # fmt: skip
-    ratio = statistics.median(off) / statistics.median(on)
-    lines.append(
-        f"\nmedian time to first token, off / on: {ratio:.2f}x; same answers: {prefix['same_answers']}"
-    )
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -430,8 +343,7 @@ def main() -> None:
         "load average when it started). Medians over interleaved rounds, (min-max) in brackets."
     )
     parts = {"generate": lambda: bench_generate(args.rounds, with_ds), "tp": lambda: bench_tp(args.rounds, with_ds),
-             "server": lambda: bench_server(args.rounds, args.port),
-             "prefix": lambda: bench_prefix(args.rounds, args.port)}  # fmt: skip
+             "server": lambda: bench_server(args.rounds, args.port)}  # fmt: skip
     for part in args.parts:
         load = os.getloadavg()[0]
         result[part] = parts[part]()

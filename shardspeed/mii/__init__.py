@@ -6,7 +6,8 @@
 
 Modules: ``pipeline`` (model loading, Response, Pipeline), ``server`` (the ``shardspeed-serve`` command and
 its lifecycle), ``app`` (the FastAPI routes), ``protocol`` (typed request bodies), ``service`` (requests to
-generations), ``responses``, ``errors``, ``guard``, ``metrics``, ``chat``, ``text``, ``engine_loop`` (the
+generations), ``responses``, ``errors``, ``guard``, ``openapi`` (what the schema says), ``lifecycle``
+(the drain on SIGTERM), ``metrics``, ``chat``, ``text``, ``engine_loop`` (the
 generation thread), ``client`` (``serve`` and the client it returns). Loading a model directory needs the
 ``hf`` extra (transformers, for the config and tokenizer); the server needs ``serve``.
 """

@@ -4,7 +4,7 @@ Bodies are the typed models of protocol.py (refused with a 400 naming the field 
 routes turn them into generations through ``GenerationService`` (service.py) and shape the answers
 (responses.py). A non-streaming request whose client disconnects is cancelled; a streaming one is cancelled
 when its stream is closed. A generation that fails answers 500 (or an error event in a stream) for that
-request alone.
+request alone; one the server's shutdown ends (lifecycle.py) answers 503 the same way.
 """
 
 from __future__ import annotations
@@ -13,20 +13,27 @@ import asyncio
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .chat import chat_prompt_ids
 from .errors import APIError, error_body, install_error_handlers
 from .guard import Guard
+from .lifecycle import Lifecycle
 from .metrics import CONTENT_TYPE
-from .protocol import ChatCompletionRequest, CompletionRequest, MIIRequest
+from .openapi import install_schema, responses
+from .protocol import LIMIT, ChatCompletionRequest, CompletionRequest, MIIRequest
 from .responses import chat_logprobs, completion_logprobs, sse
-from .service import GenerationFailed, GenerationService, Run
+from .service import GenerationAborted, GenerationFailed, GenerationService, Run
 
 __all__ = ["create_app"]
 
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
+
+
+def _served_model():
+    """A path parameter naming the served model (openapi.py); one object per route: FastAPI names it."""
+    return Path(json_schema_extra={LIMIT: "model-name"})
 
 
 class _ClientGone(Exception):
@@ -67,26 +74,31 @@ def _best(run: Run, n: int) -> list:
 
 
 def create_app(service: GenerationService, *, metrics=None, api_key: str | None = None,
-               max_body_bytes: int = 2**21) -> FastAPI:  # fmt: skip
-    """The application over a started ``GenerationService``."""
+               max_body_bytes: int = 2**21, shutdown_timeout: float = 5.0) -> FastAPI:  # fmt: skip
+    """The application over a started ``GenerationService``; ``app.state.lifecycle`` drains it (server.py)."""
     app = FastAPI(title="shardspeed-serve", version="1", summary="OpenAI-compatible completions and chat")
-    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, metrics=metrics)
+    lifecycle = app.state.lifecycle = Lifecycle(service, shutdown_timeout)
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, metrics=metrics,
+                       routes=app.router.routes, lifecycle=lifecycle)  # fmt: skip
     install_error_handlers(app)
-    _info_routes(app, service, metrics)
+    _info_routes(app, service, metrics, lifecycle)
     _generation_routes(app, service)
+    install_schema(app, vocab_size=service.vocab_size, context=service.context, model_name=service.model_name,
+                   api_key=api_key is not None)  # fmt: skip
     return app
 
 
-def _info_routes(app: FastAPI, service: GenerationService, metrics) -> None:
+def _info_routes(app: FastAPI, service: GenerationService, metrics, lifecycle: Lifecycle) -> None:
 
     def model_card() -> dict:
         return {"id": service.model_name, "object": "model", "created": service.created,
                 "owned_by": "shardspeed", "max_model_len": service.context}  # fmt: skip
 
-    @app.get("/health")
+    @app.get("/health", responses=responses("health"))
     async def health():
         loop, batcher = service.loop, service.loop.batcher
-        status = "failed" if loop.error is not None else "stopping" if loop.stopping else "ok"
+        stopping = loop.stopping or not lifecycle.serving
+        status = "failed" if loop.error is not None else "stopping" if stopping else "ok"
         body = {"status": status, "running": len(batcher.running), "waiting": len(batcher.waiting),
                 "cancelled_requests": batcher.cancelled_count, "failed_requests": batcher.failed_count,
                 "max_batch_seen": batcher.max_running_seen, "free_kv_blocks": batcher.cache.free_blocks,
@@ -95,18 +107,18 @@ def _info_routes(app: FastAPI, service: GenerationService, metrics) -> None:
             body["error"] = repr(loop.error)
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        if metrics is None:
-            raise APIError(404, "metrics: this server was started without them")
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    if metrics is not None:  # else no route: a 404 like any unknown path
+
+        @app.get("/metrics", response_class=Response, responses=responses("metrics"))
+        async def prometheus_metrics():
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model}")
-    async def model(model: str):
+    @app.get("/v1/models/{model}", responses=responses("model"))
+    async def model(model: str = _served_model()):
         service.check_model(model)
         return model_card()
 
@@ -114,7 +126,7 @@ def _info_routes(app: FastAPI, service: GenerationService, metrics) -> None:
 def _generation_routes(app: FastAPI, service: GenerationService) -> None:
     tokenizer = service.tokenizer
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=responses("stream"))
     async def completions(body: CompletionRequest, request: Request):
         service.check_model(body.model)
         prompts = service.encode(body.prompt)
@@ -141,7 +153,7 @@ def _generation_routes(app: FastAPI, service: GenerationService) -> None:
         return {"id": ids, "object": "text_completion", "created": created, "model": service.model_name,
                 "choices": choices, "usage": run.usage()}  # fmt: skip
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=responses("stream"))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service.check_model(body.model)
         prompts = [chat_prompt_ids(tokenizer, body.messages)]
@@ -162,8 +174,8 @@ def _generation_routes(app: FastAPI, service: GenerationService) -> None:
         return {"id": ids, "object": "chat.completion", "created": created, "model": service.model_name,
                 "choices": [shape.choice(c) for c in run.candidates], "usage": run.usage()}  # fmt: skip
 
-    @app.post("/mii/{deployment_name}")
-    async def mii_generate(deployment_name: str, body: MIIRequest, request: Request):
+    @app.post("/mii/{deployment_name}", responses=responses("generation"))
+    async def mii_generate(body: MIIRequest, request: Request, deployment_name: str = _served_model()):
         if deployment_name != service.model_name:
             raise APIError(404, f"deployment_name: unknown deployment {deployment_name!r}", "deployment_name")
         prompts = service.encode(body.prompts, "prompts")
@@ -185,14 +197,20 @@ def _generation_routes(app: FastAPI, service: GenerationService) -> None:
 
 def _too_short(max_length: int, prompt_length: int):
     raise APIError(400, f"max_length: {max_length} leaves no new token after a prompt of {prompt_length} tokens "
-                   "(MII's max_length counts the prompt)", "max_length")  # fmt: skip
+                   "(MII's max_length counts the prompt)", "max_length", "context_length_exceeded")  # fmt: skip
+
+
+def _failure(error: GenerationFailed) -> str:
+    if isinstance(error, GenerationAborted):
+        return f"{error}: the generation was ended before it finished"
+    return f"generation failed: {error}"
 
 
 async def _finish(service: GenerationService, run: Run, request: Request) -> None:
     try:
         await _collect(run, request)
     except GenerationFailed as error:
-        raise APIError(500, f"generation failed: {error}") from None
+        raise APIError(error.status, _failure(error)) from None
     except _ClientGone:
         raise APIError(CLIENT_GONE, "the client went away; its request was cancelled") from None
     finally:
@@ -271,7 +289,8 @@ class _ChatShape:
 
 
 async def _stream(service: GenerationService, run: Run, request: Request, shape, ids: str, created: int):
-    """Server-sent events: OpenAI's chunks, then a usage chunk if asked, then ``[DONE]``."""
+    """Server-sent events: OpenAI's chunks, then a usage chunk if asked, then ``[DONE]``; a generation that
+    fails or is ended by the server's shutdown: an error event (OpenAI's error body), then ``[DONE]``."""
     options = shape.body.stream_options
     usage = options is not None and options.include_usage
     object_name = "text_completion" if isinstance(shape, _CompletionShape) else "chat.completion.chunk"
@@ -296,8 +315,9 @@ async def _stream(service: GenerationService, run: Run, request: Request, shape,
         if usage:
             yield chunk([], usage=run.usage())
         yield sse("[DONE]")
-    except GenerationFailed as error:
-        yield sse(error_body(500, f"generation failed: {error}"))
+    except GenerationFailed as error:  # OpenAI's error event, then the end of the stream as always
+        yield sse(error_body(error.status, _failure(error)))
+        yield sse("[DONE]")
     finally:
         run.cancel()  # a no-op for finished candidates; the rest (client gone) leave the batch
         service.finished(run)

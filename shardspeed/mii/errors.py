@@ -13,13 +13,38 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-__all__ = ["APIError", "error_body", "error_response", "install_error_handlers", "validation_error"]
+__all__ = [
+    "APIError",
+    "ErrorBody",
+    "error_body",
+    "error_response",
+    "install_error_handlers",
+    "validation_error",
+]
 
 logger = logging.getLogger("shardspeed.mii.server")
 
 _TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what is wrong, starting with the field it is about")
+    type: str = Field(
+        description="invalid_request_error, authentication_error, not_found_error or server_error"
+    )
+    param: str | None = Field(description="the field at fault (messages[0].content, body, ...), if one is")
+    code: str | None = Field(
+        description="a machine-readable reason where there is one (model_not_found, ...)"
+    )
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape: every error answer's body, and a stream's error event."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -96,6 +121,13 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, f"{param}: {message}, got {_shown(error.get('input'))}", param)
 
 
+def _cause(error: HTTPException) -> str:
+    """What FastAPI's generic "There was an error parsing the body" stands for, when it kept the cause."""
+    cause = error.__cause__
+    text = str(error.detail) if cause is None else f"{type(cause).__name__}: {cause}"
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, error: APIError):
@@ -112,8 +144,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path} (see /openapi.json)"
         elif error.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
+        elif error.status_code == 400:  # FastAPI could not parse the body (not UTF-8, nested too deeply, ...)
+            return error_response(400, f"body: malformed JSON ({_cause(error)})", "body")
         else:
-            message = f"body: {error.detail}" if error.status_code == 400 else str(error.detail)
+            message = str(error.detail)
         return error_response(error.status_code, message, headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)

@@ -5,6 +5,9 @@
     or as soon as it grows past the limit (chunked); the body is then handed on to the route as read;
   * API key: with ``api_key`` set, routes under ``/v1`` and ``/mii`` need ``Authorization: Bearer <key>``
     (401 otherwise); ``/health``, ``/metrics`` and the schema stay open for probes and scrapers;
+  * shutdown (lifecycle.py): each request in flight is counted (probes, scrapes and the schema are not);
+    while the server drains, a new POST gets 503 at once, and once it closes, a request still sending its
+    body gets 503 instead of waiting for the rest;
   * one structured log line (JSON, logger ``shardspeed.mii.access``) per request: method, path, status,
     duration, and what the route left in ``request.state.log`` (token counts, finish reasons, ...); the
     request counter by status in ``/metrics`` is counted here as well.
@@ -12,10 +15,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
+
+from starlette.routing import Match
 
 from .errors import error_body
 
@@ -24,6 +30,7 @@ __all__ = ["Guard"]
 access_log = logging.getLogger("shardspeed.mii.access")
 
 _OPEN = ("/health", "/metrics", "/openapi.json", "/docs", "/redoc")
+_CLOSE = [(b"connection", b"close")]  # a request refused while the server stops: no keep-alive after it
 
 
 async def _send_error(send, status: int, message: str, param=None, code=None, headers=()) -> None:
@@ -34,8 +41,11 @@ async def _send_error(send, status: int, message: str, param=None, code=None, he
 
 
 class Guard:
-    def __init__(self, app, *, max_body_bytes: int, api_key: str | None = None, metrics=None):
+    def __init__(self, app, *, max_body_bytes: int, api_key: str | None = None, metrics=None, routes=(),
+                 lifecycle=None):  # fmt: skip
         self.app, self.max_body_bytes, self.api_key, self.metrics = app, max_body_bytes, api_key, metrics
+        self.routes = routes  # the application's routes, to name the route of a request answered here
+        self.lifecycle = lifecycle
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -50,9 +60,17 @@ class Guard:
                 outcome["status"] = message["status"]
             await send(message)
 
+        counted = self.lifecycle is not None and not scope["path"].startswith(_OPEN)
+        if counted:
+            self.lifecycle.in_flight += 1
         try:
-            await self._guarded(scope, receive, send_watched)
+            if counted and not self.lifecycle.serving and scope["method"] == "POST":
+                await _send_error(send_watched, 503, "the server is shutting down", headers=_CLOSE)
+            else:
+                await self._guarded(scope, receive, send_watched)
         finally:
+            if counted:
+                self.lifecycle.in_flight -= 1
             self._record(scope, outcome["status"], time.perf_counter() - start, state["log"])
 
     async def _guarded(self, scope, receive, send):
@@ -69,7 +87,9 @@ class Guard:
             return await self._too_large(send)
         body, size = [], 0
         while True:
-            message = await receive()
+            message = await self._receive_unless_closing(receive)
+            if message is None:
+                return await _send_error(send, 503, "the server is shutting down", headers=_CLOSE)
             if message["type"] != "http.request":
                 return  # the client went away before sending its body
             body.append(message.get("body", b""))
@@ -85,14 +105,39 @@ class Guard:
 
         await self.app(scope, receive_after_body, send)
 
+    async def _receive_unless_closing(self, receive):
+        """The client's next message, or None if the server closes first (a body that never comes)."""
+        if self.lifecycle is None:
+            return await receive()
+        if self.lifecycle.closing.is_set():
+            return None
+        message = asyncio.ensure_future(receive())
+        closing = asyncio.ensure_future(self.lifecycle.closing.wait())
+        await asyncio.wait({message, closing}, return_when=asyncio.FIRST_COMPLETED)
+        closing.cancel()
+        if message.done():
+            return message.result()
+        message.cancel()
+        return None
+
     async def _too_large(self, send) -> None:
         await _send_error(send, 413, f"body: larger than the server's limit of {self.max_body_bytes} bytes "
                                      f"(shardspeed-serve --max-body-bytes)", "body")  # fmt: skip
 
+    def _route(self, scope) -> str | None:
+        """The template of the route ``scope`` went to (or would have: a 401 or 413 answered here)."""
+        route = scope.get("route")  # set by the router on the way in
+        if route is None:
+            for candidate in self.routes:
+                if candidate.matches(scope)[0] is not Match.NONE:
+                    route = candidate
+                    break
+        return getattr(route, "path", None)
+
     def _record(self, scope, status: int, seconds: float, details: dict) -> None:
         path = scope["path"]
         if self.metrics is not None:
-            self.metrics.request_done(path, status)
+            self.metrics.request_done(self._route(scope), status)
         if path in ("/health", "/metrics"):
             return  # probes and scrapes would drown the log
         line = {"method": scope["method"], "path": path, "status": status, "ms": round(1000 * seconds, 1)}

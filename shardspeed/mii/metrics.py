@@ -1,6 +1,6 @@
 """``/metrics`` in Prometheus' text format (prometheus_client), one registry per server.
 
-Counted as requests happen: requests by route and status, prompt tokens (and how many came from the prefix
+Counted as requests happen: requests by route (its template) and status, prompt tokens (and how many came from the prefix
 cache), generated tokens, time to first token, time between tokens. Read from the batcher when scraped:
 queue depth, running batch, KV blocks in use and cached.
 """
@@ -13,7 +13,6 @@ __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -57,9 +56,10 @@ class ServerMetrics:
             model_name
         ).set(1)
 
-    def request_done(self, path: str, status: int) -> None:
-        route = path if path in _ROUTES else "/mii" if path.startswith("/mii/") else "other"
-        self.requests.labels(route, str(status)).inc()
+    def request_done(self, route: str | None, status: int) -> None:
+        """Count an answered request under its route's template (``/v1/models/{model}``), not its path:
+        one series per route whatever the client puts in the path; no route matched: "other"."""
+        self.requests.labels(route or "other", str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

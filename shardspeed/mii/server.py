@@ -5,9 +5,11 @@
 This module is the command: its arguments (``--help`` works without the ``serve`` extra), loading the
 model (``load_engine``, the one place it happens), the generation loop on a thread (engine_loop.py) and
 uvicorn serving the FastAPI app (app.py). Lifecycle:
-  * SIGTERM / Ctrl-C: uvicorn stops accepting, lets in-flight requests finish for ``--shutdown-timeout``
-    seconds and cancels the rest; the generation loop then ends every request still pending; the
-    process exits 0 at once (``os._exit``: the interpreter's teardown is skipped, it can take seconds);
+  * SIGTERM / Ctrl-C: the server drains (lifecycle.py): ``/health`` answers 503 and new generations get
+    503 while requests in flight get ``--shutdown-timeout`` seconds to finish; those still running then
+    end with an answer (a stream: an error event and ``data: [DONE]``; a plain request: 503); then uvicorn
+    closes, the generation loop stops and the process exits 0 at once (``os._exit``: the interpreter's
+    teardown is skipped, it can take seconds);
   * the generation loop dies (a bug, not one bad request: those end alone): pending requests get an
     error, ``/health`` says "failed", the server shuts down the same way and the process exits 1, for a
     supervisor to restart it;
@@ -51,7 +53,8 @@ def _parse_args(argv):
                         help="require 'Authorization: Bearer KEY' on /v1 and /mii (default: $SHARDSPEED_API_KEY)")  # fmt: skip
     parser.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024, help="larger bodies get 413")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
-                        help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")  # fmt: skip
+                        help="seconds in-flight requests get to finish after SIGTERM before they are ended "
+                        "(a stream with an error event, a plain request with 503)")  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="'info' writes one JSON line per request to stderr")  # fmt: skip
     return parser.parse_args(argv)
@@ -102,6 +105,13 @@ def main(argv=None) -> int:
         return _relaunch_under_launcher(args, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("shardspeed.mii").setLevel(args.log_level.upper())  # shardspeed's logger is at INFO
+    # Every log line on stderr, as --help says: shardspeed's package logger writes to stdout (DeepSpeed's
+    # habit, which training output follows), and the request log goes through it.
+    from shardspeed.utils.logging import logger as package_logger  # creates its handler if not yet there
+
+    for handler in package_logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
     from shardspeed.inference.scheduler import ContinuousBatcher
 
     from .engine_loop import EngineLoop
@@ -116,15 +126,20 @@ def main(argv=None) -> int:
     return _serve(args, engine, tokenizer, loop)
 
 
-def _uvicorn_server(config):
-    """uvicorn's server, except that SIGTERM/SIGINT are not raised again once it has shut down.
+def _uvicorn_server(config, lifecycle):
+    """uvicorn's server, with the shutdown of lifecycle.py: the first SIGTERM/SIGINT drains (the listener
+    stays open, /health answers 503, work in flight finishes or is ended with an answer) and only then does
+    uvicorn close; a second one shortens the drain. And uvicorn does not raise the signal again once it has
+    shut down, or the process would die by it before the generation loop is stopped: the command finishes
+    its shutdown and exits with its own status."""
+    import asyncio
 
-    uvicorn re-raises a caught signal after its own shutdown, so the process would die by it before the
-    generation loop is stopped; here the command finishes its shutdown and exits with its own status.
-    """
     import uvicorn
 
     class Server(uvicorn.Server):
+        drain: asyncio.Future | None = None
+        drain_asked = False
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -136,6 +151,19 @@ def _uvicorn_server(config):
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            # A signal handler: only flags here; the drain itself runs on the event loop (on_tick).
+            if self.drain_asked:
+                lifecycle.hurry()
+            self.drain_asked = True
+
+        async def on_tick(self, counter: int) -> bool:  # uvicorn calls this every 0.1 s
+            if self.drain_asked and self.drain is None:
+                self.drain = asyncio.ensure_future(lifecycle.drain())
+            if self.drain is not None and self.drain.done():
+                self.should_exit = True
+            return await super().on_tick(counter)
 
     return Server(config)
 
@@ -150,10 +178,13 @@ def _serve(args, engine, tokenizer, loop) -> int:
     name = args.deployment_name or os.path.basename(os.path.normpath(args.model_dir))
     metrics = ServerMetrics(loop.batcher, name)
     service = GenerationService(engine, tokenizer, loop, name, metrics)
-    app = create_app(service, metrics=metrics, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app = create_app(service, metrics=metrics, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     shutdown_timeout=args.shutdown_timeout)  # fmt: skip
+    lifecycle = app.state.lifecycle
+    # uvicorn's own grace only backs the drain up: when uvicorn closes, everything has been answered.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
-    server = _uvicorn_server(config)
+                            timeout_graceful_shutdown=lifecycle.grace)  # fmt: skip
+    server = _uvicorn_server(config, lifecycle)
 
     def loop_died(_error) -> None:  # called on the loop's thread: uvicorn polls should_exit
         server.should_exit = True

@@ -20,13 +20,25 @@ from shardspeed.inference.scheduler import BatchRequest
 from .errors import APIError
 from .text import TextStream
 
-__all__ = ["Candidate", "GenerationFailed", "GenerationService", "Run"]
+__all__ = ["Candidate", "GenerationAborted", "GenerationFailed", "GenerationService", "Run"]
 
 MAX_CANDIDATES = 256  # prompts x n (or best_of) in one request
+CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt and budget over the context
 
 
 class GenerationFailed(Exception):
     """The generation of one request failed in the batcher (a 500 for that request only)."""
+
+    status = 500
+
+
+class GenerationAborted(GenerationFailed):
+    """The server ended a generation before it finished (shutting down): a 503."""
+
+    status = 503
+
+
+_ABORT = object()  # put in a run's queue by Run.abort: its events end there
 
 
 @dataclass(eq=False)
@@ -63,12 +75,17 @@ class Run:
     queue: asyncio.Queue
     started_at: float = field(default_factory=time.perf_counter)
     first_token_ms: float | None = None
+    closed: bool = False  # answered (service.finished): tokens still on their way are dropped
+    aborted: str | None = None  # why the server ended it (Run.abort)
 
     async def events(self):
-        """``(candidate, new_text)`` per token, until every candidate has finished."""
+        """``(candidate, new_text)`` per token, until every candidate has finished (or ``abort``)."""
         pending = len(self.candidates)
         while pending:
-            index, token, reason = await self.queue.get()
+            item = await self.queue.get()
+            if item is _ABORT:
+                raise GenerationAborted(self.aborted)
+            index, token, reason = item
             candidate = self.candidates[index]
             if candidate.finish_reason is not None:
                 continue  # tokens decoded after a stop string, before the cancellation took effect
@@ -100,6 +117,13 @@ class Run:
     async def finish(self) -> None:
         async for _ in self.events():
             pass
+
+    def abort(self, message: str) -> None:
+        """End the run from the server's side (on the event loop's thread): its candidates leave the batch
+        and ``events`` raises ``GenerationAborted(message)`` after the tokens already queued."""
+        self.aborted = message
+        self.cancel()
+        self.queue.put_nowait(_ABORT)
 
     def cancel(self) -> None:
         for candidate in self.candidates:
@@ -137,6 +161,8 @@ class GenerationService:
     def __init__(self, engine, tokenizer, loop, model_name: str, metrics=None):
         self.engine, self.tokenizer, self.loop, self.model_name = engine, tokenizer, loop, model_name
         self.metrics = metrics
+        self.accepting = True  # False once the server drains (lifecycle.py): new generations get 503
+        self.runs: set[Run] = set()  # started and not yet answered
         self.context = engine.config.max_out_tokens
         config = getattr(engine.module, "config", None)
         self.vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
@@ -158,7 +184,7 @@ class GenerationService:
             encoded = [prompt] if isinstance(prompt[0], int) else prompt
         for ids in encoded:
             if not ids:
-                raise APIError(400, f"{param}: encodes to no tokens", param)
+                raise APIError(400, f"{param}: encodes to no tokens", param, "empty_prompt")
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise APIError(
@@ -173,12 +199,12 @@ class GenerationService:
         longest = max(len(p) for p in prompts)
         if longest >= self.context:
             raise APIError(400, f"{prompt_param}: {longest} tokens leave no room in the model's context of "
-                           f"{self.context} tokens", prompt_param)  # fmt: skip
+                           f"{self.context} tokens", prompt_param, CONTEXT_EXCEEDED)  # fmt: skip
         if max_new is None:
             return self.context - longest
         if longest + max_new > self.context:
             raise APIError(400, f"{param}: prompt ({longest} tokens) + {param} ({max_new}) exceeds the model's "
-                           f"context of {self.context} tokens", param)  # fmt: skip
+                           f"context of {self.context} tokens", param, CONTEXT_EXCEEDED)  # fmt: skip
         return max_new
 
     def settings(self, body, max_new: int, logprobs: int | None = None, echo_logprobs: bool = False):
@@ -193,7 +219,8 @@ class GenerationService:
         min_new = getattr(body, "min_tokens", None) or getattr(body, "min_new_tokens", 0)
         if min_new > max_new:
             name = "min_tokens" if hasattr(body, "min_tokens") else "min_new_tokens"
-            raise APIError(400, f"{name}: {min_new} is more than the {max_new} new tokens allowed", name)
+            raise APIError(400, f"{name}: {min_new} is more than the {max_new} new tokens allowed", name,
+                           "min_tokens_above_max_tokens")  # fmt: skip
         settings = GenerationSettings(
             max_new_tokens=max_new, do_sample=do_sample, temperature=temperature if do_sample else 1.0,
             top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p,
@@ -212,21 +239,31 @@ class GenerationService:
         """One generation per prompt and choice; ``settings`` one for all prompts or a list, one each."""
         if len(prompts) * n > MAX_CANDIDATES:
             raise APIError(
-                400, f"n: {len(prompts)} prompts x {n} generations exceeds {MAX_CANDIDATES} per request", "n"
+                400,
+                f"n: {len(prompts)} prompts x {n} generations exceeds {MAX_CANDIDATES} per request",
+                "n",
+                "too_many_generations",
             )
         if self.loop.error is not None:
             raise APIError(503, f"the generation loop failed ({self.loop.error!r}); the server is stopping")
-        if self.loop.stopping:
+        if self.loop.stopping or not self.accepting:
             raise APIError(503, "the server is shutting down")
         event_loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         candidates = []
+        run: Run | None = None
         for prompt_index, ids in enumerate(prompts):
             for choice in range(n):
                 index = len(candidates)
 
-                def emit(token, reason, index=index):
-                    event_loop.call_soon_threadsafe(queue.put_nowait, (index, token, reason))
+                def emit(token, reason, index=index):  # called on the generation thread
+                    if run is None or run.closed:
+                        return  # answered already: nobody listens
+                    try:
+                        event_loop.call_soon_threadsafe(queue.put_nowait, (index, token, reason))
+                    except RuntimeError:  # "Event loop is closed": the server has gone, nobody listens
+                        if not event_loop.is_closed():
+                            raise
 
                 # Each choice its own seed (a given seed stays reproducible); none given: the request id.
                 choice_seed = None if seed is None else (seed + choice) % 2**63
@@ -235,6 +272,7 @@ class GenerationService:
                 text = TextStream(self.tokenizer, stops, incremental=stream)
                 candidates.append(Candidate(index, prompt_index, request, text))
         run = Run(self, candidates, queue)
+        self.runs.add(run)
         for candidate in candidates:
             self.loop.submit(candidate.request)
         if self.metrics is not None:
@@ -242,7 +280,16 @@ class GenerationService:
         return run
 
     def finished(self, run: Run) -> None:
-        """Count a finished run's tokens in the metrics."""
+        """A run answered: forget it, count its tokens in the metrics."""
+        run.closed = True
+        self.runs.discard(run)
         if self.metrics is not None:
             self.metrics.generation_tokens.inc(sum(len(c.tokens) for c in run.candidates))
             self.metrics.cached_prompt_tokens.inc(run.cached_tokens())
+
+    def abort_all(self, message: str) -> int:
+        """End every run not yet answered (``Run.abort``); how many there were."""
+        runs = [run for run in self.runs if not run.closed]
+        for run in runs:
+            run.abort(message)
+        return len(runs)

@@ -4,17 +4,20 @@ Requests carry the trigger in their ``seed`` (an ordinary field, so the fault hi
   * seed 4242: that request's decode step raises once it has 3 tokens (the batched step fails; each request
     is retried alone, and only this one fails again);
   * seed 4343: the generation loop itself raises (a bug outside any one request): the server must answer
-    the pending request, report "failed" and exit 1.
+    the pending request, report "failed" and exit 1;
+  * seed 4444: every decode step with that request in the batch takes 0.2 s longer (a request that cannot
+    finish within a short shutdown drain, whatever the machine's speed).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 from shardspeed.inference.scheduler import ContinuousBatcher
 from shardspeed.mii.server import main
 
-DECODE_FAULT, LOOP_FAULT = 4242, 4343
+DECODE_FAULT, LOOP_FAULT, SLOW = 4242, 4343, 4444
 
 _forward_decode = ContinuousBatcher._forward_decode
 _step = ContinuousBatcher.step
@@ -23,6 +26,8 @@ _step = ContinuousBatcher.step
 def faulty_forward_decode(self, batch):
     if any(r.seed == DECODE_FAULT and len(r.generated) >= 3 for r in batch):
         raise RuntimeError("injected decode fault")
+    if any(r.seed == SLOW for r in batch):
+        time.sleep(0.2)
     return _forward_decode(self, batch)
 
 

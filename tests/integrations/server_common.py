@@ -60,10 +60,14 @@ def start_server(model_dir, *args: str, script: str | None = None, timeout: floa
         "tiny",
         *args,
     ]
-    # Output to a file, not a pipe: a pipe nobody reads fills up and blocks the server's log writes.
-    with tempfile.NamedTemporaryFile("w", prefix="shardspeed-serve-", suffix=".log", delete=False) as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    process.log_path = log.name
+    # Output to files, not pipes: a pipe nobody reads fills up and blocks the server's log writes. stdout
+    # and stderr apart: the request log must go to stderr.
+    with (
+        tempfile.NamedTemporaryFile("w", prefix="shardspeed-serve-", suffix=".out", delete=False) as out,
+        tempfile.NamedTemporaryFile("w", prefix="shardspeed-serve-", suffix=".err", delete=False) as err,
+    ):
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+    process.stdout_path, process.stderr_path = out.name, err.name
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:
@@ -80,9 +84,16 @@ def start_server(model_dir, *args: str, script: str | None = None, timeout: floa
         time.sleep(0.2)
 
 
-def server_log(process) -> str:
-    with open(process.log_path, errors="replace") as handle:
-        return handle.read()
+def server_log(process, stream: str = "both") -> str:
+    """What the server wrote: ``"stdout"``, ``"stderr"`` or both (stdout first)."""
+    paths = {"stdout": [process.stdout_path], "stderr": [process.stderr_path]}.get(
+        stream, [process.stdout_path, process.stderr_path]
+    )
+    texts = []
+    for path in paths:
+        with open(path, errors="replace") as handle:
+            texts.append(handle.read())
+    return "".join(texts)
 
 
 def stop_server(process) -> int:
