@@ -3,9 +3,13 @@
     DS_ACCELERATOR=cpu PYTHONPATH=. /work/benchvenv/bin/python benchmarks/inference.py --parts generate tp
     python benchmarks/inference.py --parts server        # an environment with the serve extra
 
-Needs transformers (and DeepSpeed for its column; `pip install 'shardspeed[bench,serve]'`). Three parts, each
+Needs transformers (and DeepSpeed for its column; `pip install 'shardspeed[bench,serve]'`). The parts, each
 one interleaved run (the systems take turns every round; medians and min/max over rounds):
 
+0. public (`--parts public`): DeepSpeed's usual call, `init_inference(model, dtype=torch.float32,
+   replace_with_kernel_inject=False).generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=0)`
+   (through the `deepspeed` alias where installed), prompt 64, batch 1 and 8, against the same model's HF
+   `generate`; records which decode path ran and whether any call was handed to the model's own generate.
 1. generate: a 7.3M-parameter Llama (4 layers, hidden 256, vocab 8192; random weights), prompt 32 tokens,
    greedy, 64 new tokens (stop token disabled so every system makes all 64), 1 thread. Tokens/s of the whole
    `generate` call at batch 1 and 8 on the wall clock (the headline), and time to first token
@@ -104,6 +108,90 @@ def bench_generate(rounds: int, with_deepspeed: bool) -> dict:
                     samples[name][key].append(scale * wall)
                     samples[name]["cpu_" + key].append(scale * cpu)
     return {"same_tokens_as_hf": same, "samples": samples}
+
+
+# ---- the public call as a DeepSpeed user writes it --------------------------------------------------------
+PUBLIC_PROMPT = 64
+
+
+def _public_engine():
+    """`deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False)` through the
+    alias where it is installed (the same function as shardspeed.init_inference), and whether `generate`
+    then stays on the fast decode path (the engine logs when it hands a call to the model's own generate)."""
+    import logging
+
+    import shardspeed
+
+    try:
+        import deepspeed
+
+        init, through = deepspeed.init_inference, "deepspeed (alias)"
+        if init is not shardspeed.init_inference:  # the real DeepSpeed: not the system measured here
+            init, through = shardspeed.init_inference, "shardspeed"
+    except ImportError:
+        init, through = shardspeed.init_inference, "shardspeed"
+    engine = init(llama(), dtype=torch.float32, replace_with_kernel_inject=False)
+    handed_over = []
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            if "not handled by the fast path" in record.getMessage():
+                handed_over.append(record.getMessage())
+
+    logger = logging.getLogger("shardspeed.inference.engine")
+    logger.addHandler(Watch())
+    logger.setLevel(logging.INFO)
+    return engine, {"through": through, "decoder": type(engine.decoder).__name__, "handed_over": handed_over}
+
+
+def bench_public(rounds: int) -> dict:
+    """HF `generate` against the engine's `generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=0)`,
+    batch 1 and 8, prompt 64: per round the median of 3 calls of each, the systems alternating their order."""
+    torch.set_num_threads(1)
+    engine, route = _public_engine()
+    systems = {"hf_generate": llama().generate, "shardspeed": engine.generate}
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    ids = {
+        b: torch.randint(1, 8192, (b, PUBLIC_PROMPT), generator=torch.Generator().manual_seed(b))
+        for b in (1, 8)
+    }
+    same = {
+        b: bool(torch.equal(*(fn(ids[b], **kwargs) for fn in systems.values()))) for b in ids
+    }  # and warm-up
+    samples = {name: {f"{kind}_b{b}": [] for kind in ("wall", "cpu") for b in ids} for name in systems}
+    for r in range(rounds):
+        for b in ids:
+            for name in list(systems)[:: 1 if r % 2 == 0 else -1]:
+                walls, cpus = [], []
+                for _ in range(3):
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    out = systems[name](ids[b], **kwargs)
+                    walls.append(time.perf_counter() - wall)
+                    cpus.append(time.process_time() - cpu)
+                    assert out.shape == (b, PUBLIC_PROMPT + NEW_TOKENS), out.shape
+                samples[name][f"wall_b{b}"].append(b * NEW_TOKENS / statistics.median(walls))
+                samples[name][f"cpu_b{b}"].append(b * NEW_TOKENS / statistics.median(cpus))
+    return {"route": {**route, "handed_over": len(route["handed_over"])}, "same_tokens_as_hf": same,
+            "samples": samples}  # fmt: skip
+
+
+def _render_public(public: dict) -> list[str]:
+    s, route = public["samples"], public["route"]
+    lines = ["## the public call (7.3M Llama, prompt 64, 64 new tokens, greedy, pad_token_id=0, 1 thread)", "",
+             f"`init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False)` through {route['through']}:"
+             f" decoder {route['decoder']}, calls handed to the model's own generate: {route['handed_over']}; "
+             f"greedy tokens equal to HF's: {public['same_tokens_as_hf']}. Per round the median of 3 calls.", "",
+             "| system | tokens/s b1 (wall) | tokens/s b8 (wall) | tokens/CPU-s b1 | tokens/CPU-s b8 |", "|---|---|---|---|---|"]  # fmt: skip
+    for name, v in s.items():
+        lines.append(f"| {name} | {_stat(v['wall_b1'])} | {_stat(v['wall_b8'])} | {_stat(v['cpu_b1'])} | "
+                     f"{_stat(v['cpu_b8'])} |")  # fmt: skip
+    lines.append("")
+    for key, what in (("wall_b1", "batch 1, wall"), ("wall_b8", "batch 8, wall"), ("cpu_b1", "batch 1, CPU"),
+                      ("cpu_b8", "batch 8, CPU")):  # fmt: skip
+        paired = [a / b for a, b in zip(s["shardspeed"][key], s["hf_generate"][key])]
+        lines.append(f"- shardspeed / hf_generate, {what}: paired per round median {statistics.median(paired):.2f}x "
+                     f"({min(paired):.2f}-{max(paired):.2f}, {len(paired)} rounds)")  # fmt: skip
+    return lines + [""]
 
 
 # ---- tensor parallel (torchrun workers) -----------------------------------------------------------------
@@ -232,7 +320,8 @@ def render(result: dict) -> str:
         "",
     ]
     lines += [result["note"], ""]
-    renderers = (("generate", _render_generate), ("tp", _render_tp), ("server", _render_server))
+    renderers = (("generate", _render_generate), ("public", _render_public), ("tp", _render_tp),
+                 ("server", _render_server))  # fmt: skip
     for part, renderer in renderers:
         if result.get(part):
             section = renderer(result[part])
@@ -343,6 +432,7 @@ def main() -> None:
         "load average when it started). Medians over interleaved rounds, (min-max) in brackets."
     )
     parts = {"generate": lambda: bench_generate(args.rounds, with_ds), "tp": lambda: bench_tp(args.rounds, with_ds),
+             "public": lambda: bench_public(args.rounds),
              "server": lambda: bench_server(args.rounds, args.port)}  # fmt: skip
     for part in args.parts:
         load = os.getloadavg()[0]

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["MODELS", "Hyper", "ModelSpec", "build_model", "make_batches", "make_optimizer", "shard_units"]
+__all__ = [
+    "MODELS", "Hyper", "ModelSpec", "build_model", "clip_gradients", "make_batches", "make_optimizer", "shard_units",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class Hyper:
     eps: float = 1e-8
     weight_decay: float = 0.01
     impl: str = "fused"  # torch AdamW kernel: "fused", "foreach" or "loop"
+    max_grad_norm: float = (
+        0.0  # gradient clipping every system applies (the engines' gradient_clipping); 0: off
+    )
 
     def torch_kwargs(self) -> dict:
         kwargs = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
@@ -62,6 +67,13 @@ class Hyper:
 
 def make_optimizer(params, hyper: Hyper) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **hyper.torch_kwargs())
+
+
+def clip_gradients(params, hyper: Hyper) -> None:
+    """The torch systems' side of `max_grad_norm`: torch's own clipping (one foreach norm, one foreach
+    scale), so with clipping on every system computes the same numbers as the engines."""
+    if hyper.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, hyper.max_grad_norm, foreach=True)
 
 
 class Block(nn.Module):

@@ -10,6 +10,7 @@ For Python-level detail, run py-spy on a rank: `py-spy record --pid <rank pid> -
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -20,6 +21,7 @@ if __package__ in (None, ""):
 
 from benchmarks import worker
 from benchmarks.models import MODELS, Hyper
+from benchmarks.systems import BASELINE_TREE_ENV
 
 
 def profile_steps(job: worker.JobSpec, trainer, batches) -> dict:
@@ -49,12 +51,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--adam", choices=["fused", "foreach", "loop"], default="fused")
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient clipping in every system (0: off)")
+    parser.add_argument("--baseline-tree", type=Path, default=None, help="checkout for the baseline-z* rows")
     args = parser.parse_args()
+    if args.baseline_tree is not None:
+        os.environ[BASELINE_TREE_ENV] = str(args.baseline_tree.resolve())
     for name in args.systems:
         micro = MODELS[args.model].micro_batch
-        job = worker.JobSpec(
-            name, args.model, micro, args.steps, args.warmup, hyper=Hyper(impl=args.adam), profile=True
-        )
+        hyper = Hyper(impl=args.adam, max_grad_norm=args.clip)
+        job = worker.JobSpec(name, args.model, micro, args.steps, args.warmup, hyper=hyper, profile=True)
         status, out = worker.run_job(job)
         if status != "ok":
             print(f"== {name}: {status}: {str(out)[-500:]}")

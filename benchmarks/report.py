@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 __all__ = ["markdown", "plot_memory", "plot_scaling", "plot_step_times", "update_readme", "write_all"]
@@ -19,12 +20,13 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 def _row_cells(r: dict) -> list[str]:
     head = [r["system"], str(r["zero_stage"])]
     if r["status"] != "ok":
-        return [*head, f"*{r['status'].split(' (')[0]}*", *[""] * 12]
+        return [*head, f"*{r['status'].split(' (')[0]}*", *[""] * 13]
     loss = f"{r['final_loss']:.6f}" + ("" if r.get("loss_matches", True) else " ≠")
     return [
         *head,
         f"{r['median_s']:.4f}", f"{r['min_s']:.4f}", f"{r['max_s']:.4f}",
-        _fmt(r.get("vs_one_process"), ".3f", "x"), _fmt(r.get("vs_ddp"), ".3f", "x"),
+        _fmt(r.get("vs_one_process"), ".3f", "x"), _fmt(r.get("vs_floor"), ".3f", "x"),
+        _fmt(r.get("vs_ddp"), ".3f", "x"),
         f"{r['tokens_per_s']:,.0f}", f"{r['peak_rss_bytes'] / _MIB:,.0f}",
         f"{r['model_state_bytes'] / _MIB:,.1f}", f"{r['formula_bytes'] / _MIB:,.1f}",
         f"{r['model_state_bytes'] / r['formula_bytes']:.2f}x",
@@ -33,7 +35,7 @@ def _row_cells(r: dict) -> list[str]:
 
 
 _HEADER = [
-    "system", "stage", "median s/step", "min", "max", "vs one-process", "vs DDP", "tokens/s",
+    "system", "stage", "median s/step", "min", "max", "vs one-process", "vs no-comm-x2", "vs DDP", "tokens/s",
     "peak RSS/rank MiB", "model states/rank MiB", "ZeRO formula MiB", "vs formula", "comm MiB/step",
     "comm volume (Ψ)", "final loss",
 ]  # fmt: skip
@@ -58,7 +60,7 @@ def markdown(result: dict) -> str:
         f"# {m['name']} ({m['kind']}, {numel / 1e6:.2f}M parameters)",
         "",
         f"vocab {m['vocab']}, d {m['dim']}, {m['layers']} layers, seq {m['seq']}; micro-batch {s['micro_batch']}"
-        f" per rank; fp32, torch AdamW ({s['adam']}); 2 ranks x 1 thread on Gloo/loopback, one-process = 1 "
+        f" per rank; fp32, torch AdamW ({s['adam']}); {_clipping(s)}; 2 ranks x 1 thread on Gloo/loopback, one-process = 1 "
         f"process doing one rank's work. {s['rounds']} rounds x {s['steps']} measured steps after "
         f"{s['warmup']} warm-up, interleaved; engines' reduce_bucket_size "
         f"{s.get('reduce_bucket_size') or 'default'}; load average (1 min) during the run "
@@ -75,6 +77,10 @@ def markdown(result: dict) -> str:
         "buckets). Comm volume in units of Ψ fp32 parameters, all-reduce counted twice (ZeRO paper: 2Ψ for "
         "stages 0-2, 3Ψ for stage 3). ≠ marks a final loss that differs from one-process's.",
     ]
+    paired = _paired_to_floor(result)
+    if paired:
+        notes += ["", "Per round, against no-comm-x2 of the same round (all rounds, median [min-max]): "
+                  + "; ".join(paired) + "."]  # fmt: skip
     if held_notes:
         notes += ["", "Allocated but untouched buffers: " + "; ".join(held_notes) + "."]
     return "\n".join(notes) + "\n"
@@ -174,10 +180,33 @@ def update_readme(readme: Path, result: dict) -> None:
         readme.write_text(pattern.sub(lambda _: f"{begin}\n{table(result)}\n{end}", text))
 
 
-def write_all(result: dict, out_dir: Path, plots: bool = True) -> list[Path]:
-    """Write `<model>.json`, `<model>.md` and the PNGs into `out_dir`; returns the paths written."""
+def _paired_to_floor(result: dict) -> list[str]:
+    """Each row's round medians over the floor's in the same round: interleaving makes the rounds pairs, so
+    these ratios cancel slow drifts of a shared machine that pooled medians keep."""
+    rows = {r["system"]: r for r in result["rows"] if r["status"] == "ok"}
+    floor = rows.get("no-comm-x2")
+    if floor is None:
+        return []
+    out = []
+    for name, r in rows.items():
+        if name == "no-comm-x2":
+            continue
+        ratios = sorted(a / b for a, b in zip(r["round_medians"], floor["round_medians"]))
+        median = statistics.median(ratios)
+        out.append(f"{name} {median:.3f}x [{ratios[0]:.3f}-{ratios[-1]:.3f}]")
+    return out
+
+
+def _clipping(settings: dict) -> str:
+    clip = settings.get("max_grad_norm", 0.0)
+    return f"gradient clipping at norm {clip:g} in every system" if clip else "no gradient clipping"
+
+
+def write_all(result: dict, out_dir: Path, plots: bool = True, name: str | None = None) -> list[Path]:
+    """Write `<name>.json`, `<name>.md` and the PNGs into `out_dir` (`name`: the model's by default); returns
+    the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = result["model"]["name"]
+    name = name or result["model"]["name"]
     written = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
     written[0].write_text(json.dumps(result, indent=1))
     written[1].write_text(markdown(result))
@@ -185,13 +214,15 @@ def write_all(result: dict, out_dir: Path, plots: bool = True) -> list[Path]:
         written += [out_dir / f"{name}_step_time.png", out_dir / f"{name}_memory.png"]
         plot_step_times(result, written[2])
         plot_memory(result, written[3])
-        others = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
+        # one run per size: a file named after its model (not a variant such as small_clip.json)
+        others = [(p.stem, json.loads(p.read_text())) for p in sorted(out_dir.glob("*.json"))]
         others = [
             o
-            for o in others
+            for stem, o in others
             if isinstance(o, dict)  # zero_memory.json is a list of rows, not a speed run
             and o.get("model", {}).get("kind") == "gpt"
             and o["model"]["name"] != "tiny"
+            and o["model"]["name"] == stem
         ]
         if len(others) >= 2:
             written.append(out_dir / "scaling.png")

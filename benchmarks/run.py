@@ -2,8 +2,9 @@
 
     python benchmarks/run.py --model small --rounds 3 --steps 20 --warmup 5 --systems all
 
-`--systems` takes row names (one-process, shardspeed-z0..z3, shardspeed-offload, ddp, zero-redundancy, fsdp2,
-deepspeed-z0..z3) or groups (all, shardspeed, torch, deepspeed). See benchmarks/README.md.
+`--systems` takes row names (one-process, no-comm-x2, shardspeed-z0..z3, shardspeed-offload, ddp,
+zero-redundancy, fsdp2, deepspeed-z0..z3, baseline-z0..z3) or groups (all, shardspeed, torch, deepspeed,
+baseline). The baseline rows run shardspeed from another checkout (`--baseline-tree`). See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reduce-bucket-size", type=int, default=None, metavar="ELEMENTS",
                         help="zero_optimization.reduce_bucket_size for shardspeed and DeepSpeed (default: theirs)")  # fmt: skip
+    parser.add_argument("--clip", type=float, default=0.0, metavar="MAX_NORM",
+                        help="gradient clipping in every system: the engines' gradient_clipping, torch's "
+                             "clip_grad_norm_ elsewhere (default 0: off)")  # fmt: skip
+    parser.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
+                        help="a checkout of shardspeed (e.g. a worktree of an older commit) for the baseline-z* rows")  # fmt: skip
+    parser.add_argument("--name", default=None, help="results file name (default: the model's)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--wait-load", type=float, default=None, metavar="LOAD",
@@ -65,10 +72,11 @@ def main(argv=None) -> int:
     spec = SuiteSpec(
         model=args.model, systems=args.systems, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
         micro_batch=args.micro_batch, seed=args.seed, adam=args.adam, quiet_gate=args.quiet_gate,
-        reduce_bucket_size=args.reduce_bucket_size,
+        reduce_bucket_size=args.reduce_bucket_size, max_grad_norm=args.clip,
+        baseline_tree=str(args.baseline_tree.resolve()) if args.baseline_tree else None,
     )  # fmt: skip
     result = run_suite(spec, log=lambda line: print(line, flush=True))
-    for path in report.write_all(result, args.out, plots=not args.no_plots):
+    for path in report.write_all(result, args.out, plots=not args.no_plots, name=args.name):
         print(f"wrote {path}")
     if args.update_readme:
         report.update_readme(Path(__file__).resolve().parent / "README.md", result)

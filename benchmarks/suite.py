@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from benchmarks.measure import zero_formula_bytes
 from benchmarks.models import MODELS, Hyper
-from benchmarks.systems import resolve
+from benchmarks.systems import BASELINE_TREE_ENV, resolve
 from benchmarks.worker import JobSpec, run_job
 
 __all__ = ["SuiteSpec", "busy_cores", "load_average", "run_suite"]
@@ -40,6 +40,10 @@ class SuiteSpec:
     quiet_gate: float | None = None  # before each job, wait until others use at most this many cores
     quiet_wait_s: float = 90.0  # ... but no longer than this per job (the wait is recorded)
     reduce_bucket_size: int | None = None  # override for the shardspeed and DeepSpeed engines
+    max_grad_norm: float = 0.0  # gradient clipping in every system (engines: gradient_clipping); 0: off
+    baseline_tree: str | None = (
+        None  # the checkout the baseline-z* rows import (e.g. a worktree of an older commit)
+    )
 
 
 def load_average() -> float:
@@ -99,6 +103,7 @@ def _compact(ranks: list[dict]) -> dict:
         "comm_zero_volume_bytes": ranks[0]["comm_zero_volume_bytes"],
         "comm_calls": ranks[0]["comm_calls"],
         "numel": ranks[0]["numel"],
+        "library": ranks[0].get("library"),
     }
 
 
@@ -127,7 +132,7 @@ def _summarize(row: dict, tokens_per_rank_step: int) -> dict:
         losses=last["losses"], round_medians=[statistics.median(j["step_times"]) for j in every_job],
         others_busy_cores=[j["others_busy_cores"] for j in every_job],
         others_cores_during=[round(j["others_cores_during"], 3) for j in every_job],
-        rounds_used=len(jobs), rounds_run=len(every_job),
+        rounds_used=len(jobs), rounds_run=len(every_job), library=last["library"],
     )  # fmt: skip
     return row
 
@@ -145,7 +150,7 @@ def _check_losses(rows: list[dict]) -> None:
 
 def _add_ratios(rows: list[dict]) -> None:
     by_name = {r["system"]: r for r in rows if r["status"] == "ok"}
-    for base, key in (("one-process", "vs_one_process"), ("ddp", "vs_ddp")):
+    for base, key in (("one-process", "vs_one_process"), ("no-comm-x2", "vs_floor"), ("ddp", "vs_ddp")):
         if base in by_name:
             for r in by_name.values():
                 r[key] = r["median_s"] / by_name[base]["median_s"]
@@ -155,6 +160,8 @@ def run_suite(spec: SuiteSpec, log=print) -> dict:
     """Run every (round, system) job of `spec`; returns the result dict report.py renders."""
     model = MODELS[spec.model]
     micro = spec.micro_batch or model.micro_batch
+    if spec.baseline_tree:  # inherited by the spawned ranks of the baseline rows
+        os.environ[BASELINE_TREE_ENV] = spec.baseline_tree
     systems = resolve(spec.systems)
     rows = {
         s.name: {"system": s.name, "family": s.family, "zero_stage": s.zero_stage,
@@ -170,7 +177,8 @@ def run_suite(spec: SuiteSpec, log=print) -> dict:
                 continue
             others = _wait_until_quiet(spec, log)
             job = JobSpec(
-                s.name, spec.model, micro, spec.steps, spec.warmup, spec.seed, Hyper(impl=spec.adam),
+                s.name, spec.model, micro, spec.steps, spec.warmup, spec.seed,
+                Hyper(impl=spec.adam, max_grad_norm=spec.max_grad_norm),
                 reduce_bucket_size=spec.reduce_bucket_size,
             )  # fmt: skip
             status, out = run_job(job)

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -109,14 +110,17 @@ def _rank_main(job: JobSpec, rank: int, world_size: int, port: int) -> dict:
     result.update(
         rank=rank, numel=numel, peak_rss_bytes=measure.peak_rss_bytes(),
         rss_after_trim_bytes=measure.rss_after_trim_bytes(),
+        library=getattr(sys.modules.get("shardspeed"), "__file__", None),  # which checkout ran (baseline rows)
     )  # fmt: skip
     return result
 
 
 def _child(job: JobSpec, rank: int, world_size: int, port: int, env: dict, results) -> None:
+    os.environ.update(env)
+    if os.environ.get("SHARDSPEED_BENCH_USE_BASELINE"):  # a baseline-z* row: the other checkout's library
+        sys.path.insert(0, os.environ["SHARDSPEED_BENCH_BASELINE_TREE"])
     from benchmarks.systems import SystemUnavailable
 
-    os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",

@@ -92,6 +92,20 @@ def test_generate_equals_reference_greedy(caplog):
     assert out[0, 3:].tolist() == greedy_reference(model, PROMPTS[0], 5)
 
 
+def test_deepspeed_call_runs_the_fast_decode_path():
+    """DeepSpeed's usual call, ``init_inference(model, dtype, replace_with_kernel_inject=False)`` then
+    ``generate(ids, max_new_tokens=..., do_sample=False, pad_token_id=0)``, is decoded by our loop: TinyLlama
+    has no ``generate`` of its own, so a fall-back to the model's would raise here."""
+    engine = shardspeed.init_inference(TinyLlama(), dtype=torch.float32, replace_with_kernel_inject=False)
+    assert isinstance(engine.decoder, FastDecoder)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert GenerationSettings.unhandled(engine.module, kwargs) == []
+    ids = torch.tensor([PROMPTS[1], PROMPTS[3] + [1, 2]])
+    out = engine.generate(ids, **kwargs)
+    for row in range(2):
+        assert out[row, 7:].tolist() == greedy_reference(engine.module, ids[row].tolist(), 6)
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
     model = TinyLlama()
     engine = shardspeed.init_inference(model, dtype=torch.float32, max_out_tokens=32)

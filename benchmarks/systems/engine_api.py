@@ -6,10 +6,11 @@ from benchmarks.systems.base import BuildContext, Trainer
 
 
 def engine_config(ctx: BuildContext, offload: bool = False) -> dict:
-    """The DeepSpeed config both engines get: fp32, no accumulation, no clipping, no progress prints.
+    """The DeepSpeed config both engines get: fp32, no accumulation, no progress prints.
 
-    `gradient_clipping` is explicit: DeepSpeed 0.19.8 defaults it to 1.0 (shardspeed to 0.0), and the torch
-    systems do not clip, so leaving it out makes DeepSpeed's losses drift from everyone else's.
+    `gradient_clipping` is explicit (the run's `max_grad_norm`, 0 by default): both engines default it to
+    1.0 as DeepSpeed 0.19.8 does, and the torch systems clip only when the run asks them to, so leaving it
+    out would make the engines' losses drift from everyone else's.
     """
     zero: dict = {"stage": ctx.zero_stage}
     if ctx.reduce_bucket_size is not None:
@@ -20,7 +21,7 @@ def engine_config(ctx: BuildContext, offload: bool = False) -> dict:
         "train_micro_batch_size_per_gpu": ctx.micro_batch,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": ctx.hyper.max_grad_norm,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1_000_000,
     }

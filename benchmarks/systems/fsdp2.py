@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from benchmarks.models import make_optimizer, shard_units
+from benchmarks.models import clip_gradients, make_optimizer, shard_units
 from benchmarks.systems.base import BuildContext, Trainer
 
 
@@ -15,7 +15,8 @@ def build(ctx: BuildContext) -> Trainer:
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = make_optimizer(model.parameters(), ctx.hyper)
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, ctx.hyper)
 
     def backward(batch):
         loss = model(batch)
@@ -23,6 +24,7 @@ def build(ctx: BuildContext) -> Trainer:
         return loss
 
     def step():
+        clip_gradients(params, ctx.hyper)  # over DTensor shards: torch all-reduces the norm
         optimizer.step()
         optimizer.zero_grad()
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from benchmarks.models import make_optimizer
+from benchmarks.models import clip_gradients, make_optimizer
 from benchmarks.systems.base import BuildContext, Trainer
 
 
 def build(ctx: BuildContext) -> Trainer:
     model = ctx.model
-    optimizer = make_optimizer(model.parameters(), ctx.hyper)
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, ctx.hyper)
 
     def backward(batch):
         loss = model(batch)
@@ -16,6 +17,7 @@ def build(ctx: BuildContext) -> Trainer:
         return loss
 
     def step():
+        clip_gradients(params, ctx.hyper)
         optimizer.step()
         optimizer.zero_grad()
 

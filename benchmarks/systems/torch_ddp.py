@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.models import make_optimizer
+from benchmarks.models import Hyper, clip_gradients, make_optimizer
 from benchmarks.systems.base import BuildContext, Trainer
 
 
@@ -17,13 +17,16 @@ def _param_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
-def _trainer(ddp: DistributedDataParallel, optimizer) -> Trainer:
+def _trainer(ddp: DistributedDataParallel, optimizer, hyper: Hyper) -> Trainer:
+    params = list(ddp.parameters())
+
     def backward(batch):
         loss = ddp(batch)
         loss.backward()
         return loss
 
     def step():
+        clip_gradients(params, hyper)  # DDP's gradients are already averaged: a local norm is the global one
         optimizer.step()
         optimizer.zero_grad()
 
@@ -32,7 +35,7 @@ def _trainer(ddp: DistributedDataParallel, optimizer) -> Trainer:
 
 def build_ddp(ctx: BuildContext) -> Trainer:
     ddp = DistributedDataParallel(ctx.model)
-    return _trainer(ddp, make_optimizer(ddp.parameters(), ctx.hyper))
+    return _trainer(ddp, make_optimizer(ddp.parameters(), ctx.hyper), ctx.hyper)
 
 
 def build_zero_redundancy(ctx: BuildContext) -> Trainer:
@@ -42,4 +45,4 @@ def build_zero_redundancy(ctx: BuildContext) -> Trainer:
     optimizer = ZeroRedundancyOptimizer(
         ddp.parameters(), optimizer_class=torch.optim.AdamW, **ctx.hyper.torch_kwargs()
     )
-    return _trainer(ddp, optimizer)
+    return _trainer(ddp, optimizer, ctx.hyper)

@@ -52,6 +52,11 @@ class StaticKVCache:
         if num_tokens == 1 and not self._has_padding:
             self._mask = None  # one query sees every key: SDPA's unmasked fast path
             return
+        if start == 0 and not self._has_padding:
+            # an unpadded prompt sees only itself: SDPA's causal kernel, as Hugging Face's own forward
+            # uses, instead of building and reading a [batch, 1, T, T] mask
+            self._mask = "causal"
+            return
         device = self.key_valid.device
         query_pos = torch.arange(start, end, device=device)[:, None]
         key_pos = torch.arange(end, device=device)[None, :]
