@@ -80,7 +80,7 @@ class DataParallelOptimizer(OptimizerWrapper):
         flats = self.reducer.flat_grads()
         if not flats:
             return 0.0
-        norms = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float32))  # one kernel, every bucket
+        norms = torch.stack([torch.linalg.vector_norm(f, dtype=torch.float32) for f in flats])
         return torch.linalg.vector_norm(norms).item()  # one device sync per step, as DeepSpeed
 
     def _apply(self, multiplier: float) -> None:

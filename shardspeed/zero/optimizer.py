@@ -189,11 +189,9 @@ class ZeroOptimizer(OptimizerWrapper):
             local = self.host_grads.squared_norm()  # taken as each shard arrived
         else:
             flats = self.grads.flat_grads()
-            if flats:  # one foreach kernel over every shard (stage 3 has one per unit), no Python loop
-                norms = torch._foreach_norm(flats, 2, dtype=torch.float32)
-                local = torch.stack(norms).square().sum()
-            else:
-                local = torch.zeros((), dtype=torch.float32)
+            local = torch.zeros((), dtype=torch.float32, device=flats[0].device if flats else "cpu")
+            for f in flats:
+                local += torch.linalg.vector_norm(f, dtype=torch.float32) ** 2
         if dist.get_world_size(self.group) > 1:
             all_reduce(local, group=self.group)
         return math.sqrt(local.item())
