@@ -271,14 +271,14 @@ class ZeroOptimizer(OptimizerWrapper):
         shard: a collective over the data-parallel group (every rank must read it)."""
         from shardspeed.zero.api import safe_get_full_grad
 
-        flat = []
-        for params in self.model_param_groups:
-            grads = [safe_get_full_grad(p) for p in params]
-            flat.append(torch.cat([
-                (g if g is not None else torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape)).reshape(-1)
-                for p, g in zip(params, grads)
-            ]) if params else torch.empty(0))  # fmt: skip
-        return flat
+        def flat_grad(p) -> torch.Tensor:  # a parameter without a gradient counts as zeros, as in DeepSpeed
+            grad = safe_get_full_grad(p)
+            return (
+                grad.reshape(-1) if grad is not None else torch.zeros(getattr(p, "ds_shape", p.shape).numel())
+            )
+
+        return [torch.cat([flat_grad(p) for p in params]) if params else torch.empty(0)
+                for params in self.model_param_groups]  # fmt: skip
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none

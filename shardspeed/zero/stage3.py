@@ -93,9 +93,8 @@ class Stage3Coordinator:
         self.backward_follows = True  # False for an engine without an optimizer (evaluation only)
         self._lingering: ParamUnit | None = None  # released in forward, freed at the next acquire
         self.needs: dict[nn.Module, list[ParamUnit]] = {}
-        self._handed: dict[
-            nn.Module, set[int]
-        ] = {}  # units a module holds because an inner one returned them
+        # units a module holds because an inner one returned their parameters to it
+        self._handed: dict[nn.Module, set[int]] = {}
         for module, needed in self._modules_and_units(root, by_module, self.owner):
             self._hook(module, needed)
         # Modules that only contain hooked ones are on the stack too (needing nothing themselves): the caller

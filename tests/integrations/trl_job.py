@@ -136,7 +136,6 @@ def reward_cats(completions, **kwargs) -> list[float]:
 def grpo(model_path: str, args: dict):
     from trl import GRPOConfig, GRPOTrainer
 
-    data = Dataset.from_dict({"prompt": [f"the {WORDS[2 + i % 2]} {WORDS[4 + i % 2]}" for i in range(16)]})
     config = GRPOConfig(
         **args, num_generations=2, max_completion_length=6, beta=0.1, temperature=1.0, shuffle_dataset=False
     )
@@ -144,9 +143,14 @@ def grpo(model_path: str, args: dict):
         model=model_path,
         reward_funcs=reward_cats,
         args=config,
-        train_dataset=data,
+        train_dataset=_prompts(),
         processing_class=tokenizer(),
     )
+
+
+def _prompts():
+    """The prompts GRPO and RLOO generate from."""
+    return Dataset.from_dict({"prompt": [f"the {WORDS[2 + i % 2]} {WORDS[4 + i % 2]}" for i in range(16)]})
 
 
 def _reference_engine(ref) -> dict:
@@ -173,13 +177,12 @@ def _reference_engine(ref) -> dict:
 def rloo(model_path: str, args: dict):
     from trl import RLOOConfig, RLOOTrainer
 
-    data = Dataset.from_dict({"prompt": [f"the {WORDS[2 + i % 2]} {WORDS[4 + i % 2]}" for i in range(16)]})
     config = RLOOConfig(**args, num_generations=2, max_completion_length=6, beta=0.1, shuffle_dataset=False)
     return RLOOTrainer(
         model=model_path,
         reward_funcs=reward_cats,
         args=config,
-        train_dataset=data,
+        train_dataset=_prompts(),
         processing_class=tokenizer(),
     )
 
