@@ -134,6 +134,17 @@ def test_tiled_compute_refuses_bad_arguments():
         sequence_tiled_compute(lambda x: x, 6, 2, {"x": x}, {}, "z", [], 1, None)
 
 
+def test_sequence_groups_of_a_destroyed_world_count_as_released(monkeypatch):
+    from shardspeed.sequence import parallel_state
+
+    # a grid left from a process group that no longer exists (here: none is initialized)
+    monkeypatch.setitem(parallel_state._STATE, "grid", object())
+    monkeypatch.setitem(parallel_state._STATE, "world", object())
+    with pytest.raises(RuntimeError, match="sequence parallel group is not initialized"):
+        parallel_state.get_sequence_parallel_group()
+    assert parallel_state._STATE["grid"] is None
+
+
 # -- tiled compute under the engine, 2 ranks ------------------------------------------------------------------
 
 

@@ -35,7 +35,9 @@ __all__ = [
     "initialize_sequence_parallel",
 ]
 
-_STATE: dict[str, ParallelGrid | None] = {"grid": None}
+# the grid, and the world group it was cut from: DeepSpeed releases these groups when the world group is torn
+# down, so a grid whose world is gone counts as never built (a new job in the process may initialize again)
+_STATE: dict[str, object] = {"grid": None, "world": None}
 
 
 def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
@@ -53,21 +55,27 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
         raise RuntimeError(
             f"world_size ({world}) is not divisible by sequence_parallel_size {sequence_parallel_size}"
         )
-    if _STATE["grid"] is not None:
+    if _live_grid() is not None:
         raise RuntimeError("sequence parallel group is already initialized")
     topology = ProcessTopology(
         ["data", "sequence"], [world // sequence_parallel_size, sequence_parallel_size]
     )
-    _STATE["grid"] = ParallelGrid(topology)
+    _STATE["grid"], _STATE["world"] = ParallelGrid(topology), dist.group.WORLD
 
 
 def _release_sequence_parallel_groups() -> None:
     """Forget the groups (DeepSpeed calls this at teardown; the next initialize may build new ones)."""
-    _STATE["grid"] = None
+    _STATE["grid"] = _STATE["world"] = None
+
+
+def _live_grid() -> ParallelGrid | None:
+    if _STATE["grid"] is not None and (not dist.is_initialized() or _STATE["world"] is not dist.group.WORLD):
+        _release_sequence_parallel_groups()  # its world group was destroyed
+    return _STATE["grid"]
 
 
 def _grid() -> ParallelGrid:
-    grid = _STATE["grid"]
+    grid = _live_grid()
     if grid is None:
         raise RuntimeError(
             "sequence parallel group is not initialized: call initialize_sequence_parallel(sequence_parallel_size)"
