@@ -268,6 +268,8 @@ def _ulysses_engine(stage: int, kv_heads: int, mpu):
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
               "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}}  # fmt: skip
+    if stage == 3:  # DeepSpeed's ALST tutorial also sets the key beside the mpu: it must agree with it
+        config["sequence_parallel_size"] = 2
     engine, *_ = shardspeed.initialize(model=HFStyleLlama(kv_heads), config=config, mpu=mpu)
     return engine
 
