@@ -29,10 +29,6 @@ _INTERNAL = (
     "a DeepSpeed-internal helper with no counterpart in shardspeed's design; the public accessors "
     "(deepspeed.utils.safe_get_*/safe_set_*) and engine methods cover what users do with it"
 )
-_ULYSSES_HF = (
-    "the Hugging Face Ulysses adapters (Accelerate's sp_size > 1) are not built yet; train with sp_size 1, or "
-    "wrap the model's attention in shardspeed.sequence.DistributedAttention and set sequence_parallel_size"
-)
 _NOT_BUILT = "this feature is not built in shardspeed yet (docs/compatibility.md lists what is)"
 
 PATHS: dict[str, object] = {
@@ -185,8 +181,15 @@ PATHS: dict[str, object] = {
     "inference.config.DeepSpeedTPConfig": "shardspeed.config.inference:InferenceTensorParallelConfig",
     "inference.config.InferenceCheckpointConfig": "shardspeed.config.inference:InferenceCheckpointConfig",
     "inference.config.load_inference_config": "shardspeed.config.inference:load_inference_config",
-    "runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": NotOffered(_ULYSSES_HF),
-    "runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": NotOffered(_ULYSSES_HF),
+    # ALST (Arctic Long Sequence Training): shardspeed/sequence/
+    "runtime.sequence_parallel.parallel_state_sp": "shardspeed.sequence.parallel_state",
+    "runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": "shardspeed.sequence.hf_attention:UlyssesSPAttentionHF",
+    "runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": "shardspeed.sequence.hf_data:UlyssesSPDataLoaderAdapter",
+    "runtime.sequence_parallel.ulysses_sp.TiledMLP": "shardspeed.sequence.tiled:TiledMLP",
+    "runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss": "shardspeed.sequence.tiled:TiledFusedLogitsLoss",
+    "runtime.sequence_parallel.ulysses_sp.SequenceTiledCompute": "shardspeed.sequence.tiled:SequenceTiledCompute",
+    "runtime.sequence_parallel.ulysses_sp.sequence_tiled_compute": "shardspeed.sequence.tiled:sequence_tiled_compute",
+    "runtime.sequence_parallel.ulysses_sp.AutogradComputeMLP": "shardspeed.sequence.tiled:AutogradComputeMLP",
     # -- deepspeed.runtime: the engine's modules under DeepSpeed's names ------------------------------------
     "runtime.pipe": "shardspeed.pipe",
     "runtime.pipe.topology": "shardspeed.comm.topology",

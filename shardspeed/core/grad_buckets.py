@@ -173,6 +173,8 @@ class BucketedAllReducer:
         bucket = self.buckets[bucket_index]
 
         def on_grad_accumulated(param: nn.Parameter) -> None:
+            if not getattr(param, "ds_grad_is_ready", True):
+                return  # DeepSpeed's flag: more tiles of a tiled computation will add to param.grad first
             grad, view = param.grad, bucket.views[slot]  # looked up now: offload_states may move the buffer
             if grad is not view:
                 # Either gradients accumulate in a wider dtype, or the user reset `.grad` (e.g. with

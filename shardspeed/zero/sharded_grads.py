@@ -115,6 +115,8 @@ class ShardedGradReducer:
         offset, n = slot.bucket.offsets[index], slot.bucket.numels[index]
 
         def on_grad_accumulated(param: nn.Parameter) -> None:
+            if not getattr(param, "ds_grad_is_ready", True):
+                return  # more tiles of a tiled computation will add to param.grad (sequence/tiled.py)
             if slot.launched:
                 raise RuntimeError(
                     f"parameter {slot.bucket.names[index]!r} received a gradient after its bucket was already "

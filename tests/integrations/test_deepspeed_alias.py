@@ -77,13 +77,10 @@ CHECK_NAMES = textwrap.dedent(
     recorded = torch.nn.Linear(2, 2)
     assert tp_model_init(recorded, tp_size=2, dtype=torch.float32) is recorded  # records; initialize shards
     assert recorded._shardspeed_tp_model_init["tp_size"] == 2
-    for call in (lambda: UlyssesSPDataLoaderAdapter(None),):
-        try:
-            call()
-        except NotImplementedError as error:
-            assert "is not offered by shardspeed" in str(error), error
-        else:
-            raise AssertionError("expected NotImplementedError")
+    assert UlyssesSPDataLoaderAdapter is shardspeed.sequence.UlyssesSPDataLoaderAdapter  # ALST
+    assert UlyssesSPAttentionHF is shardspeed.sequence.UlyssesSPAttentionHF
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as parallel_state_sp
+    assert parallel_state_sp is shardspeed.sequence.parallel_state
     try:
         import deepspeed.no_such_module
     except ModuleNotFoundError as error:
