@@ -27,7 +27,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MMapIndexedDataset", "MMapIndexedDatasetBuilder", "find_fit_int_dtype", "write_rows"]
+__all__ = [
+    "MMapIndexedDataset",
+    "MMapIndexedDatasetBuilder",
+    "close_mmap_dataset_builder",
+    "create_mmap_dataset_builder",
+    "find_fit_int_dtype",
+    "write_rows",
+]
 
 _MAGIC = b"MMIDIDX\x00\x00"
 # type code -> (torch dtype, the `array` typecode of the same width and sign)
@@ -175,3 +182,14 @@ def write_rows(prefix: str | os.PathLike, rows, dtype) -> None:
     builder.finalize(f"{tmp}.idx")
     os.replace(f"{tmp}.bin", f"{prefix}.bin")
     os.replace(f"{tmp}.idx", f"{prefix}.idx")
+
+
+def create_mmap_dataset_builder(prefix: str | os.PathLike, dtype) -> MMapIndexedDatasetBuilder:
+    """A builder writing the dataset `prefix` (DeepSpeed's helper; `close_mmap_dataset_builder` finishes it)."""
+    return MMapIndexedDatasetBuilder(f"{prefix}.bin", dtype)
+
+
+def close_mmap_dataset_builder(builder: MMapIndexedDatasetBuilder, prefix: str | os.PathLike) -> None:
+    """End the builder's one document and write `prefix.idx`."""
+    builder.end_document()
+    builder.finalize(f"{prefix}.idx")
