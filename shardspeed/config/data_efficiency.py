@@ -50,8 +50,7 @@ _SCHEDULE_NEEDS: dict[str, tuple[str, ...]] = {
 
 @dataclass(kw_only=True)
 class CurriculumScheduleConfig:
-    """``schedule_config`` of a curriculum: the pacing function's parameters (which ones depends on
-    ``schedule_type``)."""
+    """the pacing function's parameters (which ones: see ``schedule_type``)."""
 
     total_curriculum_step: PositiveInt | None = None
     """Steps from min_difficulty to max_difficulty (fixed_linear, fixed_root)."""
@@ -77,31 +76,20 @@ class CurriculumScheduleConfig:
             )
 
 
-@dataclass(kw_only=True)
-class _CurriculumBase:
-    min_difficulty: int
-    """Difficulty at the first step."""
-    max_difficulty: int
-    """Final difficulty."""
-    schedule_type: ScheduleType
-    """Pacing function: fixed_linear, fixed_root, fixed_discrete, or custom (a function set with
-    engine.set_custom_curriculum_learning_schedule)."""
-    schedule_config: CurriculumScheduleConfig = field(default_factory=CurriculumScheduleConfig)
-    """The pacing function's parameters."""
-
-    def validate(self, path: str) -> None:
-        if self.max_difficulty < self.min_difficulty:
-            raise ConfigError(
-                f"{join(path, 'max_difficulty')}: {self.max_difficulty} is below min_difficulty "
-                f"{self.min_difficulty}"
-            )
-        self.schedule_config.check_for(self.schedule_type, join(path, "schedule_config"))
+def _check_curriculum(block, path: str) -> None:
+    """The checks every curriculum gets: a range that rises, and the parameters its schedule needs."""
+    if block.max_difficulty < block.min_difficulty:
+        raise ConfigError(
+            f"{join(path, 'max_difficulty')}: {block.max_difficulty} is below min_difficulty {block.min_difficulty}"
+        )
+    block.schedule_config.check_for(block.schedule_type, join(path, "schedule_config"))
 
 
 @dataclass(kw_only=True)
 class LegacyCurriculumConfig:
-    """Top-level ``curriculum_learning`` (DeepSpeed's legacy curriculum, removed from DeepSpeed 0.19.8's
-    config and kept here): the engine passes ``curriculum_seqlen=<difficulty>`` to the model's forward."""
+    """DeepSpeed's legacy curriculum: ``curriculum_seqlen=<difficulty>`` passed to the model's forward.
+
+    DeepSpeed 0.19.8 removed this block from its config (it refuses it); shardspeed keeps it."""
 
     REQUIRED_EXAMPLE = " (an enabled curriculum needs min_difficulty, max_difficulty and schedule_type)"
 
@@ -124,13 +112,22 @@ class LegacyCurriculumConfig:
         for key in ("min_difficulty", "max_difficulty", "schedule_type"):
             if getattr(self, key) is None:
                 raise ConfigError(f"{join(path, key)}: required when curriculum learning is enabled")
-        _CurriculumBase.validate(self, path)  # the same checks as a metric's curriculum
+        _check_curriculum(self, path)
 
 
 @dataclass(kw_only=True)
-class CurriculumMetricConfig(_CurriculumBase):
-    """One entry of ``curriculum_metrics``: a difficulty metric and its schedule."""
+class CurriculumMetricConfig:
+    """one difficulty metric and its schedule (the key is the metric's name)."""
 
+    min_difficulty: int
+    """Difficulty at the first step (a metric value, or a percentile)."""
+    max_difficulty: int
+    """Final difficulty."""
+    schedule_type: ScheduleType
+    """Pacing function: fixed_linear, fixed_root, fixed_discrete, or custom (a function set with
+    engine.set_custom_curriculum_learning_schedule)."""
+    schedule_config: CurriculumScheduleConfig = field(default_factory=CurriculumScheduleConfig)
+    """The pacing function's parameters."""
     index_to_sample_path: str | None = None
     """The data analyzer's <metric>_index_to_sample file (without .bin/.idx); needed unless
     clustering_type is single_cluster."""
@@ -143,7 +140,7 @@ class CurriculumMetricConfig(_CurriculumBase):
     cluster (the curriculum is applied by the script, e.g. truncating to the difficulty)."""
 
     def validate(self, path: str) -> None:
-        super().validate(path)
+        _check_curriculum(self, path)
         if self.clustering_type == "single_cluster":
             return
         if self.index_to_sample_path is None:
@@ -203,7 +200,7 @@ class DynamicBatchingConfig:
 
 @dataclass(kw_only=True)
 class DataSamplingConfig:
-    """``data_efficiency.data_sampling``."""
+    """data sampling: the curriculum sampler's options."""
 
     enabled: bool = False
     """Use data sampling. Default false."""
@@ -221,7 +218,7 @@ class DataSamplingConfig:
 
 @dataclass(kw_only=True)
 class RandomLtdScheduleParams:
-    """``random_ltd_schedule.schedule_config``."""
+    """the linear schedule's parameters."""
 
     require_steps: PositiveInt
     """Steps from min_value to max_value."""
@@ -311,7 +308,7 @@ class RandomLtdConfig:
 
 @dataclass(kw_only=True)
 class DataRoutingConfig:
-    """``data_efficiency.data_routing``."""
+    """data routing: which tokens each layer processes."""
 
     enabled: bool = False
     """Use data routing. Default false."""
