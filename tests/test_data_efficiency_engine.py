@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness import run_ranks
+from harness import error_text, run_ranks
 
 STEPS, SAVE_AT = 8, 3
 SAMPLES, WIDTH = 64, 8
@@ -105,17 +105,23 @@ def _engines(root: str, metric_paths: dict):
     sampling.set_data_post_process_func(
         lambda batch, state: posted.append(dict(state["current_difficulties"])) or batch
     )
+    ltd_config = {"enabled": True, "data_routing": {"enabled": True, "random_ltd": RANDOM_LTD}}
     torch.manual_seed(0)
-    ltd, *_ = shardspeed.initialize(
-        model=Stack(), config=_config(data_efficiency={"enabled": True, "data_routing": {"enabled": True, "random_ltd": RANDOM_LTD}})
+    ltd, *_ = shardspeed.initialize(model=Stack(), config=_config(data_efficiency=ltd_config))
+    convert_to_random_ltd(ltd, Layer)  # DeepSpeed's way: convert the engine's model
+    torch.manual_seed(0)
+    model = convert_to_random_ltd(
+        Stack(), Layer
+    )  # ZeRO-1/2 record parameter names: convert before initialize
+    ltd_zero1, *_ = shardspeed.initialize(
+        model=model, config=_config(data_efficiency=ltd_config, zero_optimization={"stage": 1})
     )  # fmt: skip
-    convert_to_random_ltd(ltd, Layer)
-    return legacy, (sampling, loader, posted), ltd
+    return legacy, (sampling, loader, posted), (ltd, ltd_zero1)
 
 
 def _train(engines, steps: range, rank: int) -> dict:
-    legacy, (sampling, loader, posted), ltd = engines
-    out = {"legacy": [], "sampling": [], "ltd": []}
+    legacy, (sampling, loader, posted), (ltd, ltd_zero1) = engines
+    out = {"legacy": [], "sampling": [], "ltd": [], "ltd_zero1": []}
     batches = iter(loader)
     for step in steps:
         for micro in range(2):
@@ -126,17 +132,35 @@ def _train(engines, steps: range, rank: int) -> dict:
             loss = sampling(x, y)
             sampling.backward(loss)
             sampling.step()
-            gen = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
-            loss_ltd = ltd(torch.randn(2, 16, 8, generator=gen))
-            ltd.backward(loss_ltd)
-            ltd.step()
             out["sampling"].append((x[:, 0].long().tolist(), loss.item()))
-            out["ltd"].append(loss_ltd.item())
+            for name, engine in (("ltd", ltd), ("ltd_zero1", ltd_zero1)):
+                gen = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+                loss_ltd = engine(torch.randn(2, 16, 8, generator=gen))
+                engine.backward(loss_ltd)
+                engine.step()
+                out[name].append(loss_ltd.item())
         out["legacy"].append(legacy.module.seen[-1][0])
     out["posted"] = posted[-2 * len(steps) :]
     out["ltd_lengths"] = [layer.random_ltd_layer.lengths[-1] for layer in ltd.module.layers[1:3]]
     out["ltd_state"] = ltd.random_ltd_scheduler.state_dict()
     return out
+
+
+def _named(engines):
+    legacy, (sampling, _, _), (ltd, ltd_zero1) = engines
+    return (("legacy", legacy), ("sampling", sampling), ("ltd", ltd), ("ltd_zero1", ltd_zero1))
+
+
+def _late_conversion_error() -> str:
+    """Converting the engine's model at ZeRO stage 2 (names already recorded by the optimizer): refused."""
+    import shardspeed
+    from shardspeed.data_pipeline import convert_to_random_ltd
+
+    ltd_config = {"enabled": True, "data_routing": {"enabled": True, "random_ltd": RANDOM_LTD}}
+    engine, *_ = shardspeed.initialize(
+        model=Stack(), config=_config(data_efficiency=ltd_config, zero_optimization={"stage": 2})
+    )  # fmt: skip
+    return error_text(lambda: convert_to_random_ltd(engine, Layer))
 
 
 def _run_and_resume(root: str, metric_paths: dict) -> tuple[dict, dict]:
@@ -146,15 +170,16 @@ def _run_and_resume(root: str, metric_paths: dict) -> tuple[dict, dict]:
     engines = _engines(root, metric_paths)
     rank = dist.get_rank()
     before = _train(engines, range(SAVE_AT), rank)
-    for name, engine in (("legacy", engines[0]), ("sampling", engines[1][0]), ("ltd", engines[2])):
+    for name, engine in _named(engines):
         engine.save_checkpoint(f"{root}/{name}")
     after = _train(engines, range(SAVE_AT, STEPS), rank)
     engines[0].module.eval()
     engines[0](torch.zeros(2, WIDTH), torch.tensor([0, 1]))
     first = {"before": before, "after": after, "eval_seqlen": engines[0].module.seen[-1][0]}
+    first["late_conversion"] = _late_conversion_error()
 
     engines = _engines(root, metric_paths)  # new engines, models and loaders: all they know comes from disk
-    for name, engine in (("legacy", engines[0]), ("sampling", engines[1][0]), ("ltd", engines[2])):
+    for name, engine in _named(engines):
         engine.load_checkpoint(f"{root}/{name}")
     return first, _train(engines, range(SAVE_AT, STEPS), rank)
 
@@ -199,7 +224,14 @@ def test_random_ltd_layers_run_on_the_kept_tokens(runs):
     assert state["consumed_layer_tokens"] == sum(8 * (k * 2 + 16 * 2) for k in kept)
 
 
-@pytest.mark.parametrize("case", ["legacy", "sampling", "ltd", "posted", "ltd_state"])
+def test_random_ltd_conversion_after_zero12_initialize_is_refused(runs):
+    first, _ = runs
+    assert first[0]["late_conversion"].startswith(
+        "ValueError: convert_to_random_ltd after initialize at ZeRO stage 2"
+    )
+
+
+@pytest.mark.parametrize("case", ["legacy", "sampling", "ltd", "ltd_zero1", "posted", "ltd_state"])
 def test_resume_continues_exactly(runs, case):
     first, resumed = runs
     for rank_first, rank_resumed in zip(first, resumed):

@@ -33,14 +33,17 @@ __all__ = ["DataEfficiency", "refuse_for_pipeline"]
 
 
 class DataEfficiency:
-    def __init__(self, block: DataEfficiencyConfig, legacy: LegacyCurriculumConfig, *, train_batch_size: int):
+    def __init__(self, block: DataEfficiencyConfig, legacy: LegacyCurriculumConfig, *, train_batch_size: int,
+                 module=None):  # fmt: skip
         self.block = block
+        # the names the engine's optimizer wrapper is built with (a later random-LTD conversion changes them)
+        self.parameter_names = [n for n, _ in module.named_parameters()] if module is not None else []
         self.legacy_scheduler = CurriculumScheduler(legacy) if legacy.enabled else None
-        self.random_ltd_scheduler = (
-            RandomLTDScheduler(block.data_routing.random_ltd, train_batch_size)
-            if block.random_ltd_enabled
-            else None
-        )
+        self.random_ltd_scheduler = None
+        if block.random_ltd_enabled:
+            self.random_ltd_scheduler = RandomLTDScheduler(block.data_routing.random_ltd, train_batch_size)
+            if module is not None and any(isinstance(m, RandomLayerTokenDrop) for m in module.modules()):
+                self.initialize_layers(module)  # converted before initialize: attach the scheduler now
 
     # -- forward -------------------------------------------------------------------------------------------
 

@@ -129,8 +129,9 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         )  # fmt: skip
         # curriculum learning (legacy and data-efficiency sampling) and random-LTD (data_pipeline/)
         self.data_efficiency = DataEfficiency(
-            config.data_efficiency, config.curriculum_learning, train_batch_size=self.train_batch_size()
-        )
+            config.data_efficiency, config.curriculum_learning, train_batch_size=self.train_batch_size(),
+            module=self.module,
+        )  # fmt: skip
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
         )

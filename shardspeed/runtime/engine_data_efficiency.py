@@ -36,7 +36,19 @@ class DataEfficiencyMethods:
     def random_ltd_initialize(self) -> None:
         """Attach the random-LTD scheduler to the model's `RandomLayerTokenDrop` layers
         (`convert_to_random_ltd` calls this)."""
+        if self.optimizer is not None and self.zero_optimization_stage() in (1, 2) and self._names_changed():
+            raise ValueError(
+                "convert_to_random_ltd after initialize at ZeRO stage "
+                f"{self.zero_optimization_stage()}: the wrapper adds '.random_ltd_layer' to parameter names, and "
+                "the ZeRO-1/2 optimizer recorded the old names when it was built, so its checkpoints would not "
+                "load. Convert the module before initialize: convert_to_random_ltd(model, LayerClass), then "
+                "deepspeed.initialize(model=model, ...) (the engine attaches the random-LTD scheduler itself)"
+            )
         self.data_efficiency.initialize_layers(self.module)
+
+    def _names_changed(self) -> bool:
+        """Whether the module's parameter names differ from those the optimizer wrapper was built with."""
+        return self.data_efficiency.parameter_names != [n for n, _ in self.module.named_parameters()]
 
     # -- DeepSpeed's getters -------------------------------------------------------------------------------
 
