@@ -89,7 +89,11 @@ class DeepSpeedDataSampler:
             name: CurriculumScheduler(metric) for name, metric in curriculum.curriculum_metrics.items()
         }
         self.is_leader = data_parallel_rank == 0
-        self.clusters = ClusterStore(curriculum, one_epoch_total_samples, self.index_dtype, self.generator) if self.is_leader else None  # fmt: skip
+        self.clusters = None  # only the leader reads the metric indices and writes clusters
+        if self.is_leader:
+            self.clusters = ClusterStore(
+                curriculum, one_epoch_total_samples, self.index_dtype, self.generator
+            )
 
     def __len__(self) -> int:
         return self.total_samples
@@ -129,16 +133,8 @@ class DeepSpeedDataSampler:
                 drawn += self.clusters.take(cidx, count)
             drawn = self.clusters.shuffle_list(drawn)
             batch[: len(drawn)] = torch.tensor(drawn, dtype=torch.long)
-        if self.data_parallel_size > 1:
-            # the leader's batch to every rank; -1 pads a batch the clusters could not fill
-            device = torch.device("cuda", torch.cuda.current_device()) if _uses_nccl(self.data_parallel_group) else torch.device("cpu")  # fmt: skip
-            batch = batch.to(device)
-            leader = (
-                dist.get_global_rank(self.data_parallel_group, 0)
-                if self.data_parallel_group is not None
-                else 0
-            )
-            dist.broadcast(batch, leader, group=self.data_parallel_group)
+        if self.data_parallel_size > 1:  # the leader's batch to every rank; -1 pads a batch it could not fill
+            batch = _from_leader(batch, self.data_parallel_group)
         self.batch = batch[batch != -1].tolist()
 
     def __iter__(self):
@@ -197,5 +193,10 @@ def _as_config(config) -> DataEfficiencyConfig:
     return build_block(DataEfficiencyConfig, config, "data_efficiency", BuildContext())
 
 
-def _uses_nccl(group) -> bool:
-    return dist.get_backend(group) == "nccl"
+def _from_leader(batch: torch.Tensor, group) -> torch.Tensor:
+    """`batch` as data-parallel rank 0 of `group` (None: the world) holds it, on every rank of the group (one
+    broadcast of global-batch-size int64s per global batch; on the GPU when the group is NCCL's)."""
+    on_gpu = dist.get_backend(group) == "nccl"
+    batch = batch.to(torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
+    dist.broadcast(batch, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return batch.cpu()
