@@ -27,7 +27,8 @@ LAYERS = [
     ["comm", "module_inject", "monitor", "ops", "optimizers"],  # process groups; TP layers; kernels
     ["core"],  # the training parts every feature builds on
     ["checkpoint", "checkpointing"],  # checkpoint files and layouts; activation checkpointing
-    ["zero", "moe", "pipe", "sequence", "compression", "profiling"],  # one package per feature
+    # one package per feature
+    ["zero", "moe", "pipe", "sequence", "compression", "profiling", "data_pipeline"],
     ["runtime", "inference"],  # the engines that compose the features
     ["api", "mii", "launcher", "tools", "compat"],  # entry points; DeepSpeed's paths
 ]

@@ -30,6 +30,10 @@ _INTERNAL = (
     "(deepspeed.utils.safe_get_*/safe_set_*) and engine methods cover what users do with it"
 )
 _NOT_BUILT = "this feature is not built in shardspeed yet (docs/compatibility.md lists what is)"
+_DATA_ANALYZER = (
+    "DeepSpeed's DataAnalyzer (the offline map-reduce of a metric over a dataset) is not built; compute the metric "
+    "per sample and write the curriculum's index files with shardspeed.data_pipeline.write_metric_index"
+)
 
 PATHS: dict[str, object] = {
     # -- top-level names (`deepspeed.X`) -----------------------------------------------------------------
@@ -265,7 +269,40 @@ PATHS: dict[str, object] = {
     "runtime.hybrid_engine": NotOffered(
         "the hybrid engine (RLHF generate + train in one engine) is not built", True
     ),
-    "runtime.data_pipeline": NotOffered("curriculum learning / data efficiency is not built", True),
+    # -- deepspeed.runtime.data_pipeline: curriculum learning and random-LTD (shardspeed/data_pipeline) ---------
+    "runtime.data_pipeline": "shardspeed.data_pipeline",
+    "runtime.data_pipeline.constants": "shardspeed.compat.mirrors.data_pipeline_constants",
+    "runtime.data_pipeline.config": NotOffered(
+        "DeepSpeed's dict getters of the data_efficiency block; shardspeed parses the block in its one config "
+        "system (shardspeed.config.data_efficiency; engine.data_efficiency_config() returns it typed)",
+        True,
+    ),
+    "runtime.data_pipeline.data_sampling": "shardspeed.data_pipeline",
+    "runtime.data_pipeline.data_sampling.data_sampler": "shardspeed.data_pipeline.sampler",
+    "runtime.data_pipeline.data_sampling.utils.find_fit_int_dtype": (
+        "shardspeed.data_pipeline.indexed_dataset:find_fit_int_dtype"
+    ),
+    "runtime.data_pipeline.data_sampling.utils.create_mmap_dataset_builder": (
+        "shardspeed.data_pipeline.indexed_dataset:create_mmap_dataset_builder"
+    ),
+    "runtime.data_pipeline.data_sampling.utils.close_mmap_dataset_builder": (
+        "shardspeed.data_pipeline.indexed_dataset:close_mmap_dataset_builder"
+    ),
+    "runtime.data_pipeline.data_sampling.utils.split_index": NotOffered(_DATA_ANALYZER),
+    "runtime.data_pipeline.data_sampling.utils.split_dataset": NotOffered(_DATA_ANALYZER),
+    "runtime.data_pipeline.data_sampling.data_analyzer": NotOffered(_DATA_ANALYZER, True),
+    "runtime.data_pipeline.data_sampling.variable_batch_size_and_lr": NotOffered(
+        "dynamic batching (data_efficiency.data_sampling.dynamic_batching) is not built", True
+    ),
+    "runtime.data_pipeline.data_routing": "shardspeed.data_pipeline.random_ltd",
+    "runtime.data_pipeline.data_routing.basic_layer": "shardspeed.data_pipeline.random_ltd.layer",
+    "runtime.data_pipeline.data_routing.helper": "shardspeed.data_pipeline.random_ltd.convert",
+    "runtime.data_pipeline.data_routing.utils": NotOffered(
+        "DeepSpeed's unused per-sample gather/scatter helpers; random-LTD layers move tokens with "
+        "shardspeed.data_pipeline.random_ltd.tokens (torch.gather / scatter)",
+        True,
+    ),
+    "ops.random_ltd.dropping_utils": "shardspeed.data_pipeline.random_ltd.tokens",
     "runtime.comm.compressed": NotOffered("1-bit compressed communication is not built", True),
     "runtime.fp16.onebit": NotOffered("1-bit Adam/LAMB optimizers are not built", True),
     "ops.aio.AsyncIOBuilder": "shardspeed.compat.mirrors.op_builder:AsyncIOBuilder",

@@ -18,7 +18,6 @@ __all__ = [
     "AioConfig",
     "AutotuningConfig",
     "CompileConfig",
-    "DataEfficiencyConfig",
     "ExpertParallelConfig",
     "HybridEngineConfig",
     "ModelInfoConfig",
@@ -176,20 +175,6 @@ class HybridEngineConfig:
     """Partition size when gathering for tensor parallelism. Default 8."""
     enable_cuda_graph: bool = False
     """Capture generation in CUDA graphs. Default false."""
-
-
-@dataclass(kw_only=True)
-class DataEfficiencyConfig:
-    """``data_efficiency``: data sampling and routing (curriculum, random-LTD)."""
-
-    enabled: bool = False
-    """Use the data-efficiency library. Default false."""
-    seed: int = 1234
-    """Seed for data sampling. Default 1234."""
-    data_routing: dict[str, Any] = field(default_factory=dict)
-    """Data routing (random_ltd) options, passed through. Default {}."""
-    data_sampling: dict[str, Any] = field(default_factory=dict)
-    """Data sampling (curriculum) options, passed through. Default {}."""
 
 
 @dataclass(kw_only=True)

@@ -135,6 +135,26 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "tensor_parallel.replace_with_kernel_inject",  # true is refused by the block itself
         "tensor_parallel.preset_model",  # ditto
         "compression_training",  # shardspeed/compression; the engine steps its scheduler
+        # shardspeed/data_pipeline: curriculum sampling and random-LTD; dynamic_batching and random-LTD's
+        # layer_token_lr_schedule are refused below. The legacy curriculum_learning block, which DeepSpeed
+        # 0.19.8 removed, is kept (the engine passes curriculum_seqlen to the model's forward).
+        "curriculum_learning",
+        "data_efficiency.enabled",
+        "data_efficiency.seed",
+        "data_efficiency.data_sampling.enabled",
+        "data_efficiency.data_sampling.num_epochs",
+        "data_efficiency.data_sampling.num_workers",
+        "data_efficiency.data_sampling.pin_memory",
+        "data_efficiency.data_sampling.curriculum_learning",
+        "data_efficiency.data_routing.enabled",
+        "data_efficiency.data_routing.random_ltd.enabled",
+        "data_efficiency.data_routing.random_ltd.total_layer_num",
+        "data_efficiency.data_routing.random_ltd.random_ltd_layer_num",
+        "data_efficiency.data_routing.random_ltd.random_ltd_layer_id",
+        "data_efficiency.data_routing.random_ltd.model_mask_name",
+        "data_efficiency.data_routing.random_ltd.model_type",
+        "data_efficiency.data_routing.random_ltd.hidden_state_order",
+        "data_efficiency.data_routing.random_ltd.random_ltd_schedule",
     }
 )
 
@@ -169,7 +189,10 @@ _REASONS: dict[str, str] = {
     "hybrid_engine": "the hybrid training/generation engine (RLHF) is not implemented",
     "use_data_before_expert_parallelism": "expert-parallel groups are consecutive data-parallel ranks",
     "autotuning": "the autotuner is not implemented",
-    "data_efficiency": "the data-efficiency library (curriculum sampling, random-LTD) is not implemented",
+    "data_efficiency.data_sampling.dynamic_batching": "dynamic batching (variable batch size and LR scaling) "
+    "is not implemented; batches have train_micro_batch_size_per_gpu samples",
+    "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "DeepSpeed itself raises "
+    "NotImplementedError for it (work in progress there); use the scheduler block",
     "expert_parallel": "AutoEP is not implemented; deepspeed.moe.MoE layers give expert parallelism",
     "weight_quantization": "weight quantization at training time is not implemented",
     "compile": "DeepCompile is not implemented; engine.compile() (torch.compile of the module) needs no "

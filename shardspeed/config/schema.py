@@ -29,12 +29,12 @@ from .blocks import (
 )
 from .build import Key
 from .compression_blocks import CompressionTrainingConfig
+from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
 from .features import (
     ActivationCheckpointingConfig,
     AioConfig,
     AutotuningConfig,
     CompileConfig,
-    DataEfficiencyConfig,
     ExpertParallelConfig,
     HybridEngineConfig,
     PipelineConfig,
@@ -192,7 +192,10 @@ class ShardspeedConfig:
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """Hybrid training/generation engine."""
     data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
-    """Data efficiency library."""
+    """Data efficiency library: curriculum sampling and random-LTD (shardspeed/data_pipeline)."""
+    curriculum_learning: LegacyCurriculumConfig = field(default_factory=LegacyCurriculumConfig)
+    """DeepSpeed's legacy curriculum (removed from DeepSpeed 0.19.8's config, kept here): the engine passes
+    curriculum_seqlen=<difficulty> to the model's forward."""
     vocabulary_size: PositiveInt | None = None
     """Vocabulary size (a warning when not a multiple of 8, as DeepSpeed). Default null."""
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)

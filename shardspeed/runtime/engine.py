@@ -33,11 +33,13 @@ from shardspeed.core.autocast import TorchAutocast
 from shardspeed.core.module_dtypes import cast_module
 from shardspeed.core.precision import PrecisionPlan
 from shardspeed.core.usage_errors import EngineUsageError
+from shardspeed.data_pipeline.engine_part import DataEfficiency
 from shardspeed.moe.parallelism import ExpertParallelism
 from shardspeed.monitor import MonitorMaster
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.compiler import ModuleCompiler
 from shardspeed.runtime.data import ShardedDataLoader
+from shardspeed.runtime.engine_data_efficiency import DataEfficiencyMethods
 from shardspeed.runtime.engine_extras import EngineExtras
 from shardspeed.runtime.engine_getters import ConfigGetters
 from shardspeed.runtime.engine_integrations import IntegrationMethods
@@ -66,7 +68,7 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
         torch._foreach_copy_([t.data for t in same_dtype], [p.view_as(t) for p, t in zip(pieces, same_dtype)])
 
 
-class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Module):
+class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEfficiencyMethods, nn.Module):
     """DeepSpeed's `DeepSpeedEngine` contract: call it, `backward(loss)`, `step()` every micro-batch."""
 
     def __init__(
@@ -125,6 +127,11 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
             config.timers.throughput, self.train_batch_size(), steps_per_output=config.steps_per_print,
             device=self.device,
         )  # fmt: skip
+        # curriculum learning (legacy and data-efficiency sampling) and random-LTD (data_pipeline/)
+        self.data_efficiency = DataEfficiency(
+            config.data_efficiency, config.curriculum_learning, train_batch_size=self.train_batch_size(),
+            module=self.module,
+        )  # fmt: skip
         self.training_dataloader = (
             self._make_dataloader(training_data, collate_fn) if training_data is not None else None
         )
@@ -177,13 +184,36 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
     # -- construction helpers ------------------------------------------------------------------------------
 
     def _make_dataloader(self, dataset, collate_fn):
-        """The `training_data` loader (DeepSpeed's `deepspeed_io(training_data)`): shuffled; fetching each batch
-        starts the throughput timer's micro-step."""
+        """The `training_data` loader (DeepSpeed's `deepspeed_io(training_data)`): shuffled, or the curriculum
+        sampler's batches when curriculum sampling is on; fetching each batch starts the throughput timer's
+        micro-step."""
+        curriculum = self._curriculum_loader(dataset, collate_fn)
+        if curriculum is not None:
+            return curriculum
         return self._sharded_loader(dataset, collate_fn=collate_fn, tput_timer=self.tput_timer)
+
+    def _curriculum_loader(self, dataset, collate_fn):
+        """The curriculum sampler's loader of `dataset` (None when curriculum sampling is off)."""
+        loader = self.data_efficiency.training_loader(
+            dataset, micro_batch_size=self.train_micro_batch_size_per_gpu(),
+            dp_rank=self.sequence.data_rank(self.dp_rank),
+            dp_world_size=self.sequence.data_world_size(self.world_size), dp_group=self.dp_group,
+            gradient_accumulation_steps=self.gradient_accumulation_steps(), global_rank=self.global_rank,
+            drop_last=self._config.dataloader_drop_last, collate_fn=collate_fn, tput_timer=self.tput_timer,
+        )  # fmt: skip
+        return self.sequence.shard_loader(loader) if loader is not None else None
 
     def deepspeed_io(self, dataset, batch_size=None, route="train", pin_memory=True, data_sampler=None,
                      collate_fn=None, num_local_io_workers=None):  # fmt: skip
-        """Build a data loader for `dataset` sharded over the data-parallel ranks (DeepSpeed's name)."""
+        """Build a data loader for `dataset` sharded over the data-parallel ranks (DeepSpeed's name); on the
+        training route with curriculum sampling on, the curriculum sampler's loader, as in DeepSpeed."""
+        if route == "train" and self.curriculum_learning_enabled():
+            if data_sampler is not None or batch_size not in (None, self.train_micro_batch_size_per_gpu()):
+                raise ValueError(
+                    "deepspeed_io: with curriculum sampling on, the training route's sampler is the curriculum's "
+                    "and its batch is train_micro_batch_size_per_gpu; data_sampler and batch_size cannot change it"
+                )
+            return self._curriculum_loader(dataset, collate_fn)
         return self._sharded_loader(
             dataset, batch_size=batch_size, collate_fn=collate_fn, shuffle=route == "train",
             num_workers=num_local_io_workers or 0, pin_memory=pin_memory, data_sampler=data_sampler,
@@ -218,6 +248,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, nn.Modul
         self.timers.start("forward")
         self.observers.before_forward(self.global_steps)
         self.compression.before_forward(self.global_steps)
+        kwargs = self.data_efficiency.forward_kwargs(kwargs, self.global_steps, self.module.training)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
             inputs, kwargs = _cast_floating((inputs, kwargs), torch.float16)
         with self.autocast.context():

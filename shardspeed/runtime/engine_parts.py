@@ -2,7 +2,8 @@
 which order, and the training counters, the one piece of state the engine itself holds.
 
 Order (the save and load order): the module and optimizer wrapper (`ModelStates`, or MoE's subclass, or
-the pipeline's), the tensor layout, the LR scheduler, the compression schedule, the data sampler, the
+the pipeline's), the tensor layout, the LR scheduler, the compression schedule, the data sampler (the
+curriculum sampler's state when curriculum sampling is on), the random-LTD and legacy curriculum schedulers, the
 counters, the config record, the RNG streams. A part added to the list is saved and loaded without the
 checkpoint code knowing it. `weights_source` says the same parts' story to the 16-bit export.
 """
@@ -89,6 +90,7 @@ def checkpoint_parts(engine) -> list:
         NamedState("lr_scheduler", engine.lr_scheduler, scheduler=True),
         engine.compression.checkpoint_part(),
         sampler_state(engine.training_dataloader),
+        *engine.data_efficiency.checkpoint_parts(),  # random_ltd, curriculum_scheduler_legacy
         TrainingCounters(engine),
         ConfigRecord(engine.config, __version__),
         RngStates(),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.config import ConfigError
+from shardspeed.data_pipeline.engine_part import refuse_for_pipeline
 from shardspeed.pipe import schedule as sched
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.pipe.p2p import Link
@@ -116,6 +117,7 @@ class PipelineEngine(ShardspeedEngine):
             raise ValueError(
                 "initialize(mpu=...) cannot be combined with a PipelineModule; its topology is used"
             )
+        refuse_for_pipeline(config)  # curriculum and random-LTD need the ordinary engine's forward and loader
         before = list(model.parameters())
         _apply_pipeline_config(config.pipeline, model)
         rebuilt = [id(p) for p in before] != [id(p) for p in model.parameters()]

@@ -416,12 +416,19 @@ def test_unsupported_keys_are_refused_in_one_error_naming_each():
 @pytest.mark.parametrize(
     "key",
     ["nebula", "amp", "sparse_gradients", "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting",
-     "curriculum_learning", "progressive_layer_drop", "quantize_training"],
+     "progressive_layer_drop", "quantize_training"],
 )  # fmt: skip
 def test_keys_deepspeed_removed_are_refused_whatever_their_value(key):
     # DeepSpeed 0.19 raises on these even when disabled: a leftover block would silently change training.
     with pytest.raises(ConfigError, match=rf"^{key}: .*removed in DeepSpeed 0\.19"):
         load_config({**BASE, key: {"enabled": False}})
+
+
+def test_legacy_curriculum_learning_is_kept_though_deepspeed_removed_it():
+    # shardspeed builds the legacy curriculum (shardspeed/data_pipeline), so DeepSpeed 0.19.8's refusal does not apply
+    block = {"enabled": True, "min_difficulty": 8, "max_difficulty": 64, "schedule_type": "fixed_linear",
+             "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}}  # fmt: skip
+    assert load_config({**BASE, "curriculum_learning": block}).curriculum_learning.max_difficulty == 64
 
 
 @pytest.mark.parametrize("key", ["mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"])

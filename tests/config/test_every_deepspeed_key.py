@@ -135,6 +135,10 @@ HONOURED_BY = {
     "zero_optimization.zero_quantized_nontrainable_weights": "test_zeropp_combos.py::test_frozen_weights_are_stored_as_int8_blocks_of_each_shard",
     # Removed in DeepSpeed 0.19, kept here with 0.18.9's keys; its sub-keys are checked in test_compression_config.py
     "compression_training": "test_compression_engine.py::test_deepspeed_0189_script_runs_unchanged",
+    "curriculum_learning": "test_data_efficiency_engine.py::test_legacy_curriculum_passes_seqlen_each_step",
+    "data_efficiency": "test_data_efficiency_engine.py::test_curriculum_sampler_splits_global_batches_over_ranks",
+    "data_efficiency.seed": "test_data_sampler.py::test_seed_changes_the_order",
+    "data_efficiency.data_routing": "test_data_efficiency_engine.py::test_random_ltd_layers_run_on_the_kept_tokens",
 }
 
 
