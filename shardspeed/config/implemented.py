@@ -135,6 +135,9 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "tensor_parallel.replace_with_kernel_inject",  # true is refused by the block itself
         "tensor_parallel.preset_model",  # ditto
         "compression_training",  # shardspeed/compression; the engine steps its scheduler
+        # `deepspeed --autotuning` (shardspeed/autotuning) and the engine's profiled exit (runtime/autotuning_probe.py);
+        # model_info, model_info_path and tuner_type "model_based" are refused by the block itself
+        "autotuning",
     }
 )
 
@@ -168,7 +171,6 @@ _REASONS: dict[str, str] = {
     "the default (true) and set gradient_accumulation_steps",
     "hybrid_engine": "the hybrid training/generation engine (RLHF) is not implemented",
     "use_data_before_expert_parallelism": "expert-parallel groups are consecutive data-parallel ranks",
-    "autotuning": "the autotuner is not implemented",
     "data_efficiency": "the data-efficiency library (curriculum sampling, random-LTD) is not implemented",
     "expert_parallel": "AutoEP is not implemented; deepspeed.moe.MoE layers give expert parallelism",
     "weight_quantization": "weight quantization at training time is not implemented",
