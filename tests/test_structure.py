@@ -29,7 +29,7 @@ LAYERS = [
     ["checkpoint", "checkpointing"],  # checkpoint files and layouts; activation checkpointing
     ["zero", "moe", "pipe", "sequence", "compression", "profiling"],  # one package per feature
     ["runtime", "inference"],  # the engines that compose the features
-    ["api", "mii", "launcher", "tools", "compat"],  # entry points; DeepSpeed's paths
+    ["api", "mii", "launcher", "tools", "compat", "autotuning"],  # entry points; DeepSpeed's paths
 ]
 LAYER_OF = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
 

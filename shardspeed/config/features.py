@@ -6,6 +6,7 @@ here too, so that a config using them is refused naming the key (``implemented.p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -113,7 +114,8 @@ class AutotuningConfig:
     """Config key -> script argument to rewrite with each experiment's value (e.g.
     {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}). Default null."""
     max_train_batch_size: PositiveInt | None = None
-    """Largest global batch to try. Default null."""
+    """Global batch every experiment keeps: accumulation steps = this / (micro-batch x data ranks), and no
+    larger micro-batch is tried. Default null (the config's accumulation steps)."""
     min_train_batch_size: PositiveInt = 1
     """Smallest global batch to try. Default 1."""
     max_train_micro_batch_size_per_gpu: PositiveInt = 1024
@@ -141,31 +143,49 @@ class AutotuningConfig:
                 f'{join(path, "tuner_type")}: "model_based" is not supported by shardspeed (its XGBoost cost '
                 'model is not built); use "gridsearch" or "random"'
             )
-        for name in ("model_info", "model_info_path"):
-            if getattr(self, name) is not None:
-                raise ConfigError(
-                    f"{join(path, name)}: is not supported by shardspeed (the model-info profile run and its "
-                    "memory estimate are not built: micro-batch sizes are found by running them); remove the key"
-                )
+        self._refuse_model_info(path)
         if self.end_profile_step < self.start_profile_step:
             raise ConfigError(
-                f"{join(path, 'end_profile_step')}: {self.end_profile_step} is before start_profile_step "
-                f"{self.start_profile_step}"
+                f"{join(path, 'end_profile_step')}: {self.end_profile_step} is before "
+                f"{join(path, 'start_profile_step')} {self.start_profile_step}"
             )
         if self.max_train_micro_batch_size_per_gpu < self.min_train_micro_batch_size_per_gpu:
             raise ConfigError(
                 f"{join(path, 'max_train_micro_batch_size_per_gpu')}: {self.max_train_micro_batch_size_per_gpu} "
-                f"is below min_train_micro_batch_size_per_gpu {self.min_train_micro_batch_size_per_gpu}"
+                f"is below {join(path, 'min_train_micro_batch_size_per_gpu')} "
+                f"{self.min_train_micro_batch_size_per_gpu}"
             )
         for name in ("results_dir", "exps_dir"):
             if not getattr(self, name):
                 raise ConfigError(f"{join(path, name)}: must not be empty")
         for key, arg in (self.arg_mappings or {}).items():
+            if not isinstance(arg, str):
+                raise ConfigError(
+                    f"{join(path, 'arg_mappings')}.{key}: expected the script argument's name (a string), got "
+                    f"{arg!r}"
+                )
             if not key.strip() or not arg.strip():
                 raise ConfigError(
                     f"{join(path, 'arg_mappings')}: {key!r}: {arg!r}: neither the config key nor the script "
                     "argument may be empty"
                 )
+
+    def _refuse_model_info(self, path: str) -> None:
+        reason = (
+            "is not supported by shardspeed (the model-info profile run and its memory estimate are not built: "
+            "micro-batch sizes are found by running them); remove the key"
+        )
+        if self.model_info_path is not None:
+            raise ConfigError(f"{join(path, 'model_info_path')}: {reason}")
+        if self.model_info is not None:
+            info = self.model_info
+            set_keys = [
+                join(path, f"model_info.{f.name}")
+                for f in dataclasses.fields(info)
+                if getattr(info, f.name) != f.default
+            ]
+            setting = f" (it sets {', '.join(set_keys)})" if set_keys else ""
+            raise ConfigError(f"{join(path, 'model_info')}: {reason}{setting}")
 
 
 @dataclass(kw_only=True)
