@@ -304,7 +304,13 @@ class Autotuner:
         if not self.optimal_cmd:
             logger.info("autotuning: no optimal config found; nothing to run")
             return 1
-        return subprocess.call(self.optimal_cmd)
+        process = subprocess.Popen(self.optimal_cmd)
+        try:
+            return process.wait()
+        except BaseException:  # SIGTERM of the autotuner: the training must not outlive it
+            process.terminate()
+            process.wait()
+            raise
 
 
 class _Runner:

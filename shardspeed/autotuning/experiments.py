@@ -198,6 +198,9 @@ class ResourceManager:
             except subprocess.TimeoutExpired:
                 _stop_group(process)
                 return None
+            except BaseException:  # Ctrl-C or SIGTERM of the autotuner: its own session would outlive it
+                _stop_group(process)
+                raise
 
     @staticmethod
     def _write_json(path: str, value: Any) -> None:

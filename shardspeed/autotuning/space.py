@@ -5,7 +5,8 @@ The user's config says what to search, DeepSpeed's way:
 - `zero_optimization.stage`: a stage, a list of stages, or "all" (0-3); absent: stage 0 only (DeepSpeed
   reads a missing stage as 0). Spaces are tried in stage order, as DeepSpeed does.
 - `zero_optimization.offload_optimizer.device` / `offload_param.device`: a device or a list of them
-  ("none", "cpu", "nvme"); each choice is its own space (`z2_oocpu`, `z3_opnone`, ...).
+  ("none", "cpu", "nvme"); each choice is its own space (`z2_oocpu`, `z3_opnone`, ...), where the stage
+  can offload it (the optimizer state at stages 1-3, parameters at stage 3).
 - `train_micro_batch_size_per_gpu`: a list of sizes to try as they are; otherwise sizes are searched (see
   autotuner.py) between `min/max_train_micro_batch_size_per_gpu`.
 - any other list inside `zero_optimization`: candidate values of that knob when `fast` is false.
@@ -91,6 +92,7 @@ def spaces_of(user_config: dict) -> list[TuningSpace]:
         for oo in _devices(zero, "offload_optimizer")
         for op in _devices(zero, "offload_param")
         if not (op not in (None, "none") and stage != 3)  # parameters are offloaded by stage 3 only
+        and not (oo not in (None, "none") and stage == 0)  # optimizer state by stages 1-3 only
     ]
 
 

@@ -15,6 +15,7 @@ import argparse
 import ipaddress
 import os
 import shlex
+import signal
 import socket
 import sys
 
@@ -298,6 +299,8 @@ def run_autotuning(args: argparse.Namespace, resources: Resources) -> int:
     from shardspeed.autotuning import Autotuner, AutotuningError
     from shardspeed.config import ConfigError
 
+    # SIGTERM ends the search like Ctrl-C: the running experiment (in its own session) is stopped with it
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         tuner = Autotuner(args, resources)
         log.info("autotuning: start")

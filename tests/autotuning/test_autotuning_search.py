@@ -150,8 +150,8 @@ def test_stages_and_offload_choices_are_spaces_in_order_and_the_best_is_picked(t
     tuner = _tuner(tmp_path, monkeypatch, config, measure=measure)
     tuner.tune()
     spaces = list(dict.fromkeys(e.space for e in tuner.records))
-    assert spaces == ["z0_oonone", "z0_oocpu", "z1_oonone", "z1_oocpu"]
-    assert len(tuner.records) == 8
+    assert spaces == ["z0_oonone", "z1_oonone", "z1_oocpu"]  # stage 0 has no optimizer state to offload
+    assert len(tuner.records) == 6
     best = tuner.best_experiment()
     assert best is _best_by_records(tuner) and best.name == "z1_oocpu_gas1_tmbspg4"
     assert best.ds_config["optimizer"]["params"]["betas"] == [0.9, 0.99]  # the optimizer's own list is kept
@@ -166,7 +166,7 @@ def test_stages_and_offload_choices_are_spaces_in_order_and_the_best_is_picked(t
     cmd = (results / "cmd_optimal.txt").read_text().split()
     assert cmd[cmd.index("--deepspeed_config") + 1] == str(results / "ds_config_optimal.json")
     summary = (results / "summary.txt").read_text()
-    assert "| global " in summary and "z1_oocpu_gas1_tmbspg4" in summary and "experiments: 8." in summary
+    assert "| global " in summary and "z1_oocpu_gas1_tmbspg4" in summary and "experiments: 6." in summary
 
 
 def test_latency_is_minimised(tmp_path, monkeypatch):

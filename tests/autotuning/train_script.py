@@ -26,7 +26,7 @@ def main() -> None:
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed()  # Gloo on CPU, NCCL on GPUs
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 1)
