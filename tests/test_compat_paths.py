@@ -120,8 +120,10 @@ def test_module_paths_import_as_the_same_module_objects():
         "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
     )
     assert "DeepSpeedZeroOptimizer_Stage3" in dir(stage3)
-    tuner = importlib.import_module("shardspeed.autotuning.tuner.base_tuner")  # under a module not offered
-    _assert_stand_in(tuner.BaseTuner, "autotuning.tuner.base_tuner.BaseTuner")
+    tuner = importlib.import_module("shardspeed.autotuning.tuner.base_tuner")  # a DeepSpeed module name
+    assert tuner is importlib.import_module("shardspeed.autotuning.search_order")
+    model_based = importlib.import_module("shardspeed.autotuning.tuner.model_based_tuner")  # not offered
+    _assert_stand_in(model_based.ModelBasedTuner, "autotuning.tuner.model_based_tuner.ModelBasedTuner")
 
 
 def test_unknown_names_and_modules_are_still_errors():

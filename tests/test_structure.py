@@ -30,7 +30,7 @@ LAYERS = [
     # one package per feature
     ["zero", "moe", "pipe", "sequence", "compression", "profiling", "data_pipeline"],
     ["runtime", "inference"],  # the engines that compose the features
-    ["api", "mii", "launcher", "tools", "compat"],  # entry points; DeepSpeed's paths
+    ["api", "mii", "launcher", "tools", "compat", "autotuning"],  # entry points; DeepSpeed's paths
 ]
 LAYER_OF = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
 

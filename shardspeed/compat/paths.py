@@ -78,8 +78,22 @@ PATHS: dict[str, object] = {
     "replace_transformer_layer": NotOffered(_KERNELS),
     "DualPipeVEngine": NotOffered("the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"),
     "DualPipeVModule": NotOffered("the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"),
-    "autotuning": NotOffered(
-        "the autotuner is not built: set batch sizes and ZeRO knobs in the config", True
+    # -- deepspeed.autotuning (shardspeed/autotuning; DeepSpeed's module names where they differ) ---------------
+    "autotuning.scheduler": "shardspeed.autotuning.experiments",
+    "autotuning.utils": "shardspeed.autotuning.dicts",
+    "autotuning.config": "shardspeed.compat.mirrors.autotuning_config",
+    "autotuning.tuner.GridSearchTuner": "shardspeed.autotuning.search_order:GridSearchTuner",
+    "autotuning.tuner.RandomTuner": "shardspeed.autotuning.search_order:RandomTuner",
+    "autotuning.tuner.index_based_tuner": "shardspeed.autotuning.search_order",
+    "autotuning.tuner.base_tuner": "shardspeed.autotuning.search_order",
+    "autotuning.tuner.ModelBasedTuner": NotOffered(
+        "the model-based tuner (an XGBoost cost model) is not built; tuner_type gridsearch or random"
+    ),
+    "autotuning.tuner.model_based_tuner": NotOffered(
+        "the model-based tuner (an XGBoost cost model) is not built; tuner_type gridsearch or random", True
+    ),
+    "autotuning.tuner.cost_model": NotOffered(
+        "the model-based tuner (an XGBoost cost model) is not built; tuner_type gridsearch or random", True
     ),
     "elasticity": NotOffered("elastic training (the `elasticity` block) is not built", True),
     "compile": NotOffered(

@@ -6,6 +6,7 @@ here too, so that a config using them is refused naming the key (``implemented.p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -78,34 +79,42 @@ class ModelInfoConfig:
 
 @dataclass(kw_only=True)
 class AutotuningConfig:
-    """``autotuning``: search ZeRO stage and micro-batch size (``deepspeed --autotuning``)."""
+    """``autotuning``: search ZeRO stage, offload and micro-batch size (``deepspeed --autotuning tune|run``).
+
+    Read by two parties: the autotuner (shardspeed/autotuning), which runs one short training per candidate
+    config, and the engine of each such run, which measures the steps from ``start_profile_step`` to
+    ``end_profile_step``, writes the metrics to ``metric_path`` and ends the process (``enabled``)."""
 
     enabled: bool = False
-    """Run the autotuner. Default false."""
+    """Profile this run: write the metrics after end_profile_step, then exit. Default false."""
     fast: bool = True
-    """Tune only the micro-batch size per ZeRO stage. Default true."""
+    """Tune only the micro-batch size per ZeRO stage (false: then also the stage's ZeRO knobs). Default true."""
     results_dir: str = "autotuning_results"
     """Where results go. Default "autotuning_results"."""
     exps_dir: str = "autotuning_exps"
     """Where experiment configs go. Default "autotuning_exps"."""
     overwrite: bool = True
-    """Overwrite earlier results (DeepSpeed's code; its docs say false). Default true."""
-    start_profile_step: PositiveInt = 3
-    """First profiled step. Default 3."""
-    end_profile_step: PositiveInt = 5
-    """Last profiled step. Default 5."""
+    """Start from empty folders; false keeps finished experiments and skips them (DeepSpeed's code; its docs
+    say false). Default true."""
+    start_profile_step: NonNegInt = 3
+    """First measured optimizer step (0-based; earlier steps warm up). Default 3."""
+    end_profile_step: NonNegInt = 5
+    """Last measured optimizer step; the run ends after it. Default 5."""
     metric: Literal["latency", "throughput", "flops"] = "throughput"
-    """What to optimise. Default "throughput"."""
+    """What to optimise: latency is minimised, throughput and flops maximised. Default "throughput"."""
     tuner_type: Literal["gridsearch", "random", "model_based"] = "gridsearch"
-    """Search strategy (DeepSpeed's code; its docs say model_based). Default "gridsearch"."""
+    """Search order (DeepSpeed's code; its docs say model_based, which is refused: no cost model is built).
+    Default "gridsearch"."""
     tuner_early_stopping: PositiveInt = 5
-    """Stop after this many experiments without improvement. Default 5."""
+    """Stop a tuning space after this many experiments without a better metric. Default 5."""
     tuner_num_trials: PositiveInt = 50
-    """Most experiments per tuner. Default 50."""
-    arg_mappings: dict[str, Any] | None = None
-    """Config key -> script argument names to rewrite. Default null."""
+    """Most experiments per tuning space. Default 50."""
+    arg_mappings: dict[str, str] | None = None
+    """Config key -> script argument to rewrite with each experiment's value (e.g.
+    {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}). Default null."""
     max_train_batch_size: PositiveInt | None = None
-    """Largest global batch to try. Default null."""
+    """Global batch every experiment keeps: accumulation steps = this / (micro-batch x data ranks), and no
+    larger micro-batch is tried. Default null (the config's accumulation steps)."""
     min_train_batch_size: PositiveInt = 1
     """Smallest global batch to try. Default 1."""
     max_train_micro_batch_size_per_gpu: PositiveInt = 1024
@@ -113,15 +122,69 @@ class AutotuningConfig:
     min_train_micro_batch_size_per_gpu: PositiveInt = 1
     """Smallest micro-batch to try. Default 1."""
     num_tuning_micro_batch_sizes: PositiveInt = 3
-    """Micro-batch sizes tried per stage. Default 3."""
+    """Micro-batch sizes tried below the largest that runs, at its global batch. Default 3."""
     mp_size: PositiveInt = 1
-    """Model-parallel degree. Default 1."""
+    """Model-parallel degree (divides the global batch). Default 1."""
     model_info: ModelInfoConfig | None = None
-    """Model facts for the model-based tuner. Default null."""
+    """Model facts for DeepSpeed's memory estimate: refused (micro-batch sizes are found by running them).
+    Default null."""
     metric_path: str | None = None
-    """Where each experiment writes its metric. Default null."""
+    """Where this run writes its metrics (null: ./autotuning_metric.json). Default null."""
     model_info_path: str | None = None
-    """Where the profiled model facts are written. Default null."""
+    """Where DeepSpeed's model-info profile run writes: refused, as model_info. Default null."""
+    experiment_timeout: PositiveInt = 1800
+    """Seconds one experiment may run before it is stopped and recorded as failed (beyond DeepSpeed, whose
+    experiments have no time limit). Default 1800."""
+
+    def validate(self, path: str) -> None:
+        if self.tuner_type == "model_based":
+            raise ConfigError(
+                f'{join(path, "tuner_type")}: "model_based" is not supported by shardspeed (its XGBoost cost '
+                'model is not built); use "gridsearch" or "random"'
+            )
+        self._refuse_model_info(path)
+        if self.end_profile_step < self.start_profile_step:
+            raise ConfigError(
+                f"{join(path, 'end_profile_step')}: {self.end_profile_step} is before "
+                f"{join(path, 'start_profile_step')} {self.start_profile_step}"
+            )
+        if self.max_train_micro_batch_size_per_gpu < self.min_train_micro_batch_size_per_gpu:
+            raise ConfigError(
+                f"{join(path, 'max_train_micro_batch_size_per_gpu')}: {self.max_train_micro_batch_size_per_gpu} "
+                f"is below {join(path, 'min_train_micro_batch_size_per_gpu')} "
+                f"{self.min_train_micro_batch_size_per_gpu}"
+            )
+        for name in ("results_dir", "exps_dir"):
+            if not getattr(self, name):
+                raise ConfigError(f"{join(path, name)}: must not be empty")
+        for key, arg in (self.arg_mappings or {}).items():
+            if not isinstance(arg, str):
+                raise ConfigError(
+                    f"{join(path, 'arg_mappings')}.{key}: expected the script argument's name (a string), got "
+                    f"{arg!r}"
+                )
+            if not key.strip() or not arg.strip():
+                raise ConfigError(
+                    f"{join(path, 'arg_mappings')}: {key!r}: {arg!r}: neither the config key nor the script "
+                    "argument may be empty"
+                )
+
+    def _refuse_model_info(self, path: str) -> None:
+        reason = (
+            "is not supported by shardspeed (the model-info profile run and its memory estimate are not built: "
+            "micro-batch sizes are found by running them); remove the key"
+        )
+        if self.model_info_path is not None:
+            raise ConfigError(f"{join(path, 'model_info_path')}: {reason}")
+        if self.model_info is not None:
+            info = self.model_info
+            set_keys = [
+                join(path, f"model_info.{f.name}")
+                for f in dataclasses.fields(info)
+                if getattr(info, f.name) != f.default
+            ]
+            setting = f" (it sets {', '.join(set_keys)})" if set_keys else ""
+            raise ConfigError(f"{join(path, 'model_info')}: {reason}{setting}")
 
 
 @dataclass(kw_only=True)

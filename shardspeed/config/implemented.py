@@ -155,6 +155,9 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "data_efficiency.data_routing.random_ltd.model_type",
         "data_efficiency.data_routing.random_ltd.hidden_state_order",
         "data_efficiency.data_routing.random_ltd.random_ltd_schedule",
+        # `deepspeed --autotuning` (shardspeed/autotuning) and the engine's profiled exit (runtime/autotuning_probe.py);
+        # model_info, model_info_path and tuner_type "model_based" are refused by the block itself
+        "autotuning",
     }
 )
 
@@ -188,7 +191,6 @@ _REASONS: dict[str, str] = {
     "the default (true) and set gradient_accumulation_steps",
     "hybrid_engine": "the hybrid training/generation engine (RLHF) is not implemented",
     "use_data_before_expert_parallelism": "expert-parallel groups are consecutive data-parallel ranks",
-    "autotuning": "the autotuner is not implemented",
     "data_efficiency.data_sampling.dynamic_batching": "dynamic batching (variable batch size and LR scaling) "
     "is not implemented; batches have train_micro_batch_size_per_gpu samples",
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "DeepSpeed itself raises "

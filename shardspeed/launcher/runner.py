@@ -15,6 +15,7 @@ import argparse
 import ipaddress
 import os
 import shlex
+import signal
 import socket
 import sys
 
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable_each_rank_log", default="None", help="write each rank's output to DIR/<time>_rank<R>.log"
     )
-    p.add_argument("--autotuning", default="", help=argparse.SUPPRESS)
+    p.add_argument("--autotuning", default="", choices=["tune", "run"],
+                   help="search configs by short runs (tune), then train with the best (run); docs/autotuning")  # fmt: skip
     p.add_argument("--elastic_training", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bind_cores_to_rank", action="store_true", help="pin each rank to its share of cores")
     p.add_argument("--bind_core_list", default=None, help="cores to share out, e.g. 0,2-5 (implies binding)")
@@ -116,8 +118,6 @@ def check_flags(args: argparse.Namespace) -> None:
 def check_conflicts(args: argparse.Namespace) -> None:
     if args.elastic_training or args.min_elastic_nodes > 0 or args.max_elastic_nodes > 0:
         raise LauncherError("elastic training (--elastic_training, --min/max_elastic_nodes) is not supported")
-    if args.autotuning:
-        raise LauncherError("--autotuning is not supported by shardspeed")
     if args.module and args.no_python:
         raise LauncherError("--module and --no_python cannot be used together")
     if args.node_rank >= 0 and not args.no_ssh:
@@ -293,10 +293,36 @@ def args_for_script_check(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(module=args.module, no_python=args.no_python, training_script=args.user_script)
 
 
+def run_autotuning(args: argparse.Namespace, resources: Resources) -> int:
+    """`--autotuning tune|run`: experiments through this launcher, results in autotuning_results/ (DeepSpeed's
+    flow); `run` then trains with the best config."""
+    from shardspeed.autotuning import Autotuner, AutotuningError
+    from shardspeed.config import ConfigError
+
+    # SIGTERM ends the search like Ctrl-C: the running experiment (in its own session) is stopped with it
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        tuner = Autotuner(args, resources)
+        log.info("autotuning: start")
+        tuner.tune()
+    except (AutotuningError, ConfigError) as err:
+        raise LauncherError(f"--autotuning {args.autotuning}: {err}") from None
+    tuner.print_tuning_results()
+    tuner.write_optimal_config()
+    if tuner.optimal_cmd is None:
+        log.error(
+            "autotuning: no experiment ran successfully (see summary.txt and each experiment's stderr.log)"
+        )
+        return 1
+    return tuner.run_after_tuning() if args.autotuning == "run" else 0
+
+
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_flags(args)
     resources, _ = resolve_resources(args)
+    if args.autotuning:
+        return run_autotuning(args, resources)
     if (args.force_multi or len(resources) > 1) and not args.no_ssh:
         return run_multi_node(args, resources)
     return run_single_node(args, resources)

@@ -36,6 +36,7 @@ from shardspeed.core.usage_errors import EngineUsageError
 from shardspeed.data_pipeline.engine_part import DataEfficiency
 from shardspeed.moe.parallelism import ExpertParallelism
 from shardspeed.monitor import MonitorMaster
+from shardspeed.runtime.autotuning_probe import AutotuningProbe
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.compiler import ModuleCompiler
 from shardspeed.runtime.data import ShardedDataLoader
@@ -161,7 +162,20 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         self.lr_scheduler = resolve_lr_scheduler(lr_scheduler, client_optimizer, config)
 
         # the flops profiler reports backward and step latency, so it turns the timers on (as in DeepSpeed)
-        self.timers = PhaseTimers(self.device, config.wall_clock_breakdown or config.flops_profiler.enabled)
+        # and so does an autotuning experiment, which measures them (as in DeepSpeed)
+        self.timers = PhaseTimers(
+            self.device,
+            config.wall_clock_breakdown or config.flops_profiler.enabled or config.autotuning.enabled,
+        )
+        self.autotuning = (
+            None  # with the block on: measure the profiled steps, write the metrics, end the run
+        )
+        if config.autotuning.enabled:
+            self.autotuning = AutotuningProbe(
+                config.autotuning, timers=self.timers, rank=self.global_rank,
+                train_batch_size=self.train_batch_size(),
+                gradient_accumulation_steps=self.gradient_accumulation_steps(), module=self.module,
+            )  # fmt: skip
         self.monitor = MonitorMaster(config, self.global_rank)  # DeepSpeed's attribute
         self.observers = StepObservers(  # monitors, flops profiler, comms logger
             self.monitor, config.flops_profiler, config.comms_logger, timers=self.timers, module=self.module,
@@ -247,6 +261,8 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         self.tput_timer.start_at_forward()
         self.timers.start("forward")
         self.observers.before_forward(self.global_steps)
+        if self.autotuning is not None:
+            self.autotuning.before_forward(self.global_steps)
         self.compression.before_forward(self.global_steps)
         kwargs = self.data_efficiency.forward_kwargs(kwargs, self.global_steps, self.module.training)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
@@ -254,6 +270,8 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         with self.autocast.context():
             out = self.module(*inputs, **kwargs)
         self.observers.after_forward()
+        if self.autotuning is not None:
+            self.autotuning.after_forward()
         self.timers.stop("forward")
         return out
 
@@ -306,6 +324,8 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
             self._report_progress()
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         self.micro_steps += 1
+        if boundary and self.autotuning is not None:
+            self.autotuning.after_step(self.global_steps)  # at the end of the profiled window: SystemExit
 
     def _optimizer_step(self, lr_kwargs: dict | None, overflow_message: str) -> None:
         """The boundary step and its bookkeeping (the pipeline engine's OptimizerStep instruction too)."""

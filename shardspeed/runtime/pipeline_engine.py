@@ -249,6 +249,8 @@ class PipelineEngine(ShardspeedEngine):
         self._window_loss = loss
         self._report_progress()
         self.tput_timer.stop(global_step=True, report_speed=self.global_rank == 0)
+        if self.autotuning is not None:
+            self.autotuning.after_step(self.global_steps)  # at the end of the profiled window: SystemExit
         return loss
 
     @torch.no_grad()

@@ -23,6 +23,9 @@ class PhaseTimers:
         self.totals: dict[str, float] = defaultdict(float)  # since the last report()
         self.window: dict[str, float] = defaultdict(float)  # since the last take_window() (the monitors')
         self.last: dict[str, float] = {}  # the latest interval of each phase
+        self.cumulative: dict[str, float] = defaultdict(
+            float
+        )  # since construction, never cleared (autotuning)
         self._started: dict[str, float] = {}
 
     def start(self, name: str) -> None:
@@ -36,6 +39,7 @@ class PhaseTimers:
             elapsed = time.perf_counter() - self._started.pop(name)
             self.totals[name] += elapsed
             self.window[name] += elapsed
+            self.cumulative[name] += elapsed
             self.last[name] = elapsed
 
     def report(self) -> str:

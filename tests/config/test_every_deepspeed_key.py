@@ -37,6 +37,12 @@ OFFLOAD = "test_zero_infinity.py::test_every_offload_combination_trains_like_no_
 DEPRECATED = "config/test_config_compat.py::test_deprecated_form_is_mapped_with_a_warning"
 MONITORS = "test_observability.py::test_two_rank_run_writes_every_monitor_profiler_and_comms_file"
 
+AUTOTUNE = "autotuning/test_autotuning_search.py::"
+AUTOTUNE_RUN = "autotuning/test_autotuning_run.py::test_tune_then_run_trains_with_the_best_measured_config"
+AUTOTUNE_PROBE = AUTOTUNE + "test_probe_measures_the_profiled_steps_writes_the_metrics_and_ends_the_run"
+AUTOTUNE_SPACES = AUTOTUNE + "test_stages_and_offload_choices_are_spaces_in_order_and_the_best_is_picked"
+AUTOTUNE_BATCH = AUTOTUNE + "test_max_and_min_train_batch_size_and_mp_size_set_the_batch_arithmetic"
+
 # key path (or a block: its keys, unless refused) -> the test that shows the key taking effect
 ZEROPP_BYTES = "test_zeropp.py::test_bytes_per_step_within_and_across_nodes_match_the_formulas"
 
@@ -139,6 +145,30 @@ HONOURED_BY = {
     "data_efficiency": "test_data_efficiency_engine.py::test_curriculum_sampler_splits_global_batches_over_ranks",
     "data_efficiency.seed": "test_data_sampler.py::test_seed_changes_the_order",
     "data_efficiency.data_routing": "test_data_efficiency_engine.py::test_random_ltd_layers_run_on_the_kept_tokens",
+    # the autotuner (tests/autotuning): the end-to-end run, the search with simulated runs, the engine's probe
+    "autotuning": AUTOTUNE_RUN,
+    "autotuning.enabled": "autotuning/test_autotuning_run.py::test_engines_measure_the_profiled_steps_then_end_the_run",
+    "autotuning.start_profile_step": AUTOTUNE_PROBE,
+    "autotuning.end_profile_step": AUTOTUNE_PROBE,
+    "autotuning.metric_path": AUTOTUNE_PROBE,
+    "autotuning.metric": AUTOTUNE + "test_latency_is_minimised",
+    "autotuning.fast": AUTOTUNE + "test_fast_false_tunes_the_stage_knobs_within_the_trial_budget",
+    "autotuning.tuner_num_trials": AUTOTUNE + "test_fast_false_tunes_the_stage_knobs_within_the_trial_budget",
+    "autotuning.tuner_type": AUTOTUNE + "test_tuners_order_and_early_stopping",
+    "autotuning.tuner_early_stopping": AUTOTUNE + "test_tuners_order_and_early_stopping",
+    "autotuning.results_dir": AUTOTUNE_SPACES,
+    "autotuning.exps_dir": AUTOTUNE_SPACES,
+    "autotuning.overwrite": AUTOTUNE + "test_finished_experiment_is_reused_when_overwrite_is_false",
+    "autotuning.arg_mappings": AUTOTUNE
+    + "test_arg_mappings_write_the_experiment_values_into_the_script_arguments",
+    "autotuning.max_train_batch_size": AUTOTUNE_BATCH,
+    "autotuning.mp_size": AUTOTUNE_BATCH,
+    "autotuning.num_tuning_micro_batch_sizes": AUTOTUNE_BATCH,
+    "autotuning.min_train_batch_size": AUTOTUNE + "test_min_train_batch_size_skips_smaller_global_batches",
+    "autotuning.max_train_micro_batch_size_per_gpu": AUTOTUNE
+    + "test_micro_batch_search_doubles_until_a_failure_then_refines",
+    "autotuning.min_train_micro_batch_size_per_gpu": AUTOTUNE
+    + "test_micro_batch_search_stops_at_a_throughput_plateau",
 }
 
 

@@ -49,7 +49,7 @@ def check_rejected(result, message: str, probe_out) -> None:
         (TWO_HOSTS, ["--launcher", "slurm"], "launcher 'slurm' not installed: srun not found"),
         (TWO_HOSTS, ["--launcher_args", "-o 'unbalanced"], "--launcher_args"),
         (TWO_HOSTS, ["--elastic_training"], "elastic training"),
-        (TWO_HOSTS, ["--autotuning", "tune"], "--autotuning is not supported"),
+        (TWO_HOSTS, ["--autotuning", "tune"], "--autotuning tune: --autotuning needs the script's config"),
         (TWO_HOSTS, ["--num_gpus", "0"], "--num_gpus must be a positive number"),
         (TWO_HOSTS, ["--master_port", "70000"], "--master_port must be between 1 and 65535"),
     ],
