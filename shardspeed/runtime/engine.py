@@ -167,19 +167,18 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
             self.device,
             config.wall_clock_breakdown or config.flops_profiler.enabled or config.autotuning.enabled,
         )
-        self.autotuning = (
-            None  # with the block on: measure the profiled steps, write the metrics, end the run
-        )
+        self.monitor = MonitorMaster(config, self.global_rank)  # DeepSpeed's attribute
+        # an autotuning experiment measures the profiled steps, writes the metrics and ends the run
+        probe = None
         if config.autotuning.enabled:
-            self.autotuning = AutotuningProbe(
+            probe = AutotuningProbe(
                 config.autotuning, timers=self.timers, rank=self.global_rank,
                 train_batch_size=self.train_batch_size(),
                 gradient_accumulation_steps=self.gradient_accumulation_steps(), module=self.module,
             )  # fmt: skip
-        self.monitor = MonitorMaster(config, self.global_rank)  # DeepSpeed's attribute
-        self.observers = StepObservers(  # monitors, flops profiler, comms logger
+        self.observers = StepObservers(  # monitors, flops profiler, comms logger, autotuning probe
             self.monitor, config.flops_profiler, config.comms_logger, timers=self.timers, module=self.module,
-            rank=self.global_rank, profiled_engine=self,
+            rank=self.global_rank, profiled_engine=self, autotuning=probe,
         )  # fmt: skip
         self.compression = CompressionSchedule(self.module, config)  # compression_training's schedule
         self.compression_scheduler = self.compression.scheduler  # DeepSpeed's attribute
@@ -261,8 +260,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         self.tput_timer.start_at_forward()
         self.timers.start("forward")
         self.observers.before_forward(self.global_steps)
-        if self.autotuning is not None:
-            self.autotuning.before_forward(self.global_steps)
         self.compression.before_forward(self.global_steps)
         kwargs = self.data_efficiency.forward_kwargs(kwargs, self.global_steps, self.module.training)
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
@@ -270,8 +267,6 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         with self.autocast.context():
             out = self.module(*inputs, **kwargs)
         self.observers.after_forward()
-        if self.autotuning is not None:
-            self.autotuning.after_forward()
         self.timers.stop("forward")
         return out
 
@@ -324,8 +319,8 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
             self._report_progress()
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         self.micro_steps += 1
-        if boundary and self.autotuning is not None:
-            self.autotuning.after_step(self.global_steps)  # at the end of the profiled window: SystemExit
+        if boundary:
+            self.observers.step_finished(self.global_steps)  # the autotuning probe may end the run here
 
     def _optimizer_step(self, lr_kwargs: dict | None, overflow_message: str) -> None:
         """The boundary step and its bookkeeping (the pipeline engine's OptimizerStep instruction too)."""

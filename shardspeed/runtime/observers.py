@@ -1,5 +1,6 @@
 """`StepObservers`: the engine's part for seeing inside a run — the monitors (`engine.monitor`), the flops
-profiler at `flops_profiler.profile_step`, and the comms logger switched on from the config.
+profiler at `flops_profiler.profile_step`, the comms logger switched on from the config, and an autotuning
+experiment's probe (runtime/autotuning_probe.py), which ends the run after its profiled steps.
 
 It is built from what it configures: the engine's `MonitorMaster`, the `flops_profiler` and `comms_logger`
 blocks, and the phase timers it reports. With every block off it holds an empty `MonitorMaster` and nothing
@@ -18,11 +19,12 @@ __all__ = ["StepObservers"]
 class StepObservers:
     def __init__(self, monitor: MonitorMaster, flops_profiler: FlopsProfilerConfig,
                  comms_logger_config: CommsLoggerConfig, *, timers, module, rank: int,
-                 profiled_engine=None):  # fmt: skip
+                 profiled_engine=None, autotuning=None):  # fmt: skip
         """`profiled_engine` is handed to DeepSpeed's `FlopsProfiler(model, ds_engine)` only, whose report
         names the engine's world size and micro-batch (DeepSpeed's contract); nothing here reads it."""
         self.monitor = monitor
         self.timers = timers
+        self.autotuning = autotuning  # an AutotuningProbe with the `autotuning` block on, else None
         self.profile_config = flops_profiler
         self.flops_profiler = None
         if flops_profiler.enabled and rank == 0:  # DeepSpeed profiles rank 0 only
@@ -37,6 +39,8 @@ class StepObservers:
 
     def before_forward(self, global_steps: int) -> None:
         """Start the flops profiler on the first forward of step `profile_step`."""
+        if self.autotuning is not None:
+            self.autotuning.before_forward(global_steps)
         if (
             self.flops_profiler is not None
             and not self._profile_done
@@ -49,6 +53,8 @@ class StepObservers:
         """Stop counting after that forward: the report covers one forward pass, as DeepSpeed's does."""
         if self.flops_profiler is not None and self.flops_profiler.started:
             self.flops_profiler.stop_profile()
+        if self.autotuning is not None:
+            self.autotuning.after_forward()
 
     def after_step(self, global_steps: int, samples: int, window_loss, lrs: list[float],
                    loss_scale: float | None) -> None:  # fmt: skip
@@ -64,6 +70,12 @@ class StepObservers:
             )  # fmt: skip
             self.flops_profiler.end_profile()
             self._profile_done = True
+
+    def step_finished(self, global_steps: int) -> None:
+        """The last thing of a boundary step (counters, throughput timer done): an autotuning experiment
+        whose profiled window this step closed writes its metrics and ends the process (SystemExit)."""
+        if self.autotuning is not None:
+            self.autotuning.after_step(global_steps)
 
     def _events(self, samples: int, window_loss, lrs, loss_scale) -> list[tuple[str, float, int]]:
         """DeepSpeed's event names, at x = samples seen after this step."""

@@ -249,8 +249,7 @@ class PipelineEngine(ShardspeedEngine):
         self._window_loss = loss
         self._report_progress()
         self.tput_timer.stop(global_step=True, report_speed=self.global_rank == 0)
-        if self.autotuning is not None:
-            self.autotuning.after_step(self.global_steps)  # at the end of the profiled window: SystemExit
+        self.observers.step_finished(self.global_steps)  # the autotuning probe may end the run here
         return loss
 
     @torch.no_grad()
