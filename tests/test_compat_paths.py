@@ -427,3 +427,11 @@ def test_pipeline_use_reentrant_false_is_what_runs_and_true_is_refused():
     )
     with pytest.raises(ConfigError, match=r"pipeline\.use_reentrant: true is not supported"):
         load_config({"train_batch_size": 1, "pipeline": {"use_reentrant": True}})
+
+
+def test_get_gradient_clipping_reads_the_key_with_deepspeeds_default():
+    get_gradient_clipping = _walk("runtime.config.get_gradient_clipping")
+    assert get_gradient_clipping({}) == _walk("runtime.constants.GRADIENT_CLIPPING_DEFAULT") == 1.0
+    assert get_gradient_clipping({"gradient_clipping": 0.5}) == 0.5
+    with pytest.raises(shardspeed.ConfigError, match="gradient_clipping"):
+        get_gradient_clipping({"gradient_clipping": -1.0})
