@@ -493,8 +493,44 @@ PATHS.update(
         "runtime.zero.partition_parameters.CUDAQuantizer": NotOffered(
             "ZeRO++'s CUDA quantizer kernel; ZeRO++ here quantizes in PyTorch (shardspeed/zero/zeropp)"
         ),
+        "sequence.layer.apply_rotary_pos_emb": "shardspeed.sequence.rotary:apply_rotary_pos_emb",
+        "sequence.layer._rotate_half": "shardspeed.sequence.rotary:rotate_half",
+        "sequence.layer._torchembed_available": "shardspeed.sequence.rotary:FUSED_ROPE_KERNEL",
     }
 )
+# Names DeepSpeed's own tests import from modules shardspeed does have, which it does not offer there
+_NAMES_NOT_OFFERED = {
+    "module_inject.auto_tp": ("AutoTP AutoTPConfig PartitionType TPLayerSpec", _AUTOTP_INTERNAL),
+    "module_inject.layers": (
+        "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce SubParamLinearLayer "
+        "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer collect_autotp_universal_checkpoint_info "
+        "is_autotp_training_mode set_autotp_mode _build_param_uc_restore_meta _get_param_uc_conversion_meta "
+        "_subparam_shard_widths",
+        _AUTOTP_INTERNAL,
+    ),
+    "ops.op_builder": ("CUDAOpBuilder TorchCPUOpBuilder", _KERNELS),
+    "runtime.zero.partition_parameters": (
+        "get_allgather_dtype zero3_linear_wrap _contradicting_single_rank_pg_error",
+        _INTERNAL,
+    ),
+    "runtime.zero.parameter_offload": ("ZeROOrderedDict ensure_zero_ordered_dict", _INTERNAL),
+    "runtime.zero.offload_states": ("get_state_devices _make_offload_state_key", _INTERNAL),
+    "runtime.utils": (
+        "is_model_parallel_parameter register_output_backward_hooks count_used_parameters_in_backward "
+        "CheckOverflow get_weight_norm",
+        _INTERNAL,
+    ),
+    "sequence.layer": ("_SeqAllToAll", _INTERNAL),
+    "runtime.precision_config": (
+        "DeepSpeedFP16Config DeepSpeedBF16Config",
+        "DeepSpeed's pydantic config classes; shardspeed checks the fp16/bf16 blocks in its one config system "
+        "(runtime.precision_config.get_float16_config / get_bfloat16_config return them)",
+    ),
+    "inference.config": ("DeepSpeedMoEConfig", "MoE inference kernels are not built"),
+}
+for _module, (_names, _reason) in _NAMES_NOT_OFFERED.items():
+    for _name in _names.split():
+        PATHS.setdefault(f"{_module}.{_name}", NotOffered(_reason))
 
 # DeepSpeed-internal names its public modules expose (helpers of its own implementation, or of features
 # shardspeed does not build): importable stand-ins naming themselves when used. Grouped by module.
