@@ -29,9 +29,10 @@ from shardspeed import comm as dist
 from shardspeed.moe.comm import AllToAll
 from shardspeed.moe.sparse_routes import sparse_routes as _sparse_output
 
-__all__ = ["MOELayer", "TopKGate", "top1gating", "top2gating", "topkgating"]
+__all__ = ["TUTEL_INSTALLED", "MOELayer", "TopKGate", "top1gating", "top2gating", "topkgating"]
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
+TUTEL_INSTALLED = False  # DeepSpeed's flag for Tutel's fused dispatch kernels, which are never used here
 
 
 def _capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
