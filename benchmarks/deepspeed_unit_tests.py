@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -260,7 +261,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _locked_results(json_path: Path):
     """The results, read under a lock and written back on exit: chunks may run side by side."""
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(json_path.with_suffix(".lock"), "w") as lock:
+    # the lock lives outside the repository; its name is that of the results file it guards
+    lock_name = "deepspeed_unit_tests-" + hashlib.sha1(str(json_path.resolve()).encode()).hexdigest()[:12]
+    with open(Path(tempfile.gettempdir()) / f"{lock_name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = json.loads(json_path.read_text()) if json_path.exists() else {}
         if results.get("meta", {}).get("tests_commit") not in (None, TESTS_COMMIT):
