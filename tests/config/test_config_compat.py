@@ -504,3 +504,13 @@ def test_members_of_deepspeeds_enums_stand_for_their_values():
     zero = load_config(raw).zero_optimization
     assert zero.offload_param.device == "none" and zero.offload_optimizer.device == "cpu"
     assert type(zero.offload_optimizer.device) is str
+    # the dict as read (kept with the engine and saved in checkpoints) holds the plain values
+    from shardspeed.config.loader import read_config_source
+
+    plain = read_config_source(raw)
+    assert type(plain["zero_optimization"]["offload_param"]["device"]) is str
+    assert (
+        raw["zero_optimization"]["offload_param"]["device"] is OffloadDeviceEnum.none
+    )  # the caller's is kept
+    untouched = {"train_micro_batch_size_per_gpu": 1}
+    assert read_config_source(untouched) is untouched
