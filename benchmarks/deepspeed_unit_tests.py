@@ -9,25 +9,34 @@ commit `edaa72212` (TESTS_COMMIT; other commits run, and the results record whic
 `conftest.py` and `unit/common.py` (the `DistributedTest` harness that spawns the ranks itself) are used as
 they are, from that folder.
 
-The files are a fixed selection (FILES, each with why it is in) of what DeepSpeed's CPU workflow
-(`.github/workflows/cpu-torch-latest.yml`: `pytest --forked unit/`) runs, covering what shardspeed offers:
-the engine and its config, ZeRO, checkpoints, communication, pipeline and MoE, the launcher, activation
-checkpointing, LR schedules, the accelerator, optimizers without compiled kernels, the utils. Each file runs
-as `pytest --forked <file>`, each test under a time limit (`--test-timeout`, enforced in its forked child by
+The files are all of `unit/` that DeepSpeed's CPU workflow (`.github/workflows/cpu-torch-latest.yml`:
+`pytest --forked unit/`, then `pytest --forked -m sequential unit/`) runs: the script takes an inventory
+first, one `--collect-only` of the whole tree on the DeepSpeed side with the workflow's marker expression
+(CPU_WORKFLOW_MARKERS), and runs every file in which DeepSpeed collects a test here. The other files are
+listed with the reason DeepSpeed does not run them on CPU (skipped whole at import because its build lacks
+an op, every test deselected by the markers, or its own import failing). Each file runs as
+`pytest --forked <file>`, each test under a time limit (`--test-timeout`, enforced in its forked child by
 pytest_plugins/conformance_limit.py: their harness can wait for its rank processes forever) and each file
 under another (`--file-timeout`), so nothing hangs the run, with
 `DS_ACCELERATOR=cpu` and `LOCAL_SIZE=2` (the CPU accelerator reports LOCAL_SIZE devices; the harness skips a
 test that wants more ranks than devices, so every test runs on at most 2 CPU ranks over Gloo).
 
+The whole tree takes hours on a small machine, so a run can be cut up and resumed: `--chunk I/N` runs every
+N-th file from the I-th, `--files` names files, `--resume` skips files that already have results for a side,
+and `--only` runs one side. Every finished file is merged into the results at once, under a lock, so chunks
+may run side by side and an interrupted run loses only the file it was in; `--report-only` rewrites the
+table from the results. Each row records its date and limits.
+
 The two systems run in two interpreters, because the alias refuses to be importable beside DeepSpeed:
 - `--deepspeed-python`: a venv with `deepspeed==0.19.8` (DS_BUILD_OPS=0), torch 2.13.0, pytest<8.4 (pytest 8.4+
   breaks their forked harness), pytest-forked, numpy, py-cpuinfo
   (`pip install torch==2.13.0 ".[bench,conformance]"`);
-- `--shardspeed-python`: a venv with shardspeed and the `conformance` extra, and no DeepSpeed; this script
-  stages the alias (integrations/deepspeed-alias) on its PYTHONPATH, as `pip install` would lay it out.
+- `--shardspeed-python`: a venv with shardspeed's dependencies and the `conformance` extra, and no DeepSpeed;
+  this script puts this tree's shardspeed and its alias (integrations/deepspeed-alias, staged as `pip install`
+  would lay it out) first on its PYTHONPATH, so the tree being measured is the one this script is in.
 
-Results: benchmarks/results/deepspeed_unit_tests.{md,json} (per file: collected / passed / failed / skipped
-/ why, for both). `--only shardspeed` reruns one side and keeps the other side's last results.
+Results: benchmarks/results/deepspeed_unit_tests.{md,json} (the inventory; per file: collected / passed /
+failed / skipped / why, for both). `--only shardspeed` reruns one side and keeps the other side's last results.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -53,59 +64,56 @@ ALIAS_SOURCE = ROOT / "integrations" / "deepspeed-alias"
 TESTS_COMMIT = "edaa72212"
 SIDES = ("deepspeed", "shardspeed")
 
-# (file under tests/, why it is in the selection). Left out, though in the CPU workflow: inference and
-# compiled-kernel ops (not CPU or not built), compile/DeepCompile, autotuning, compression, hybrid engine,
-# ZenFlow, AutoTP/AutoEP internals, Ulysses-ALST, and files that test DeepSpeed's internal classes rather than
-# behaviour users see (launcher runner classes, MultiNodeRunner argument plumbing, the CPU/fused Adam kernels
-# compared with each other); the flops-profiler file collects nothing on CPU.
-FILES = [
-    ("unit/runtime/test_ds_initialize.py", "initialize(): optimizers, schedulers, client objects, dtypes"),
-    ("unit/runtime/test_ds_config_dict.py", "config parsing and batch-size rules"),
-    ("unit/runtime/test_data.py", "RepeatingLoader, the engine's data loader"),
-    ("unit/runtime/test_lr_schedulers.py", "LR schedules and their constants"),
-    ("unit/runtime/test_no_sync_ctxt.py", "no_sync and gradient accumulation"),
-    ("unit/runtime/test_runtime_utils.py", "runtime.utils helpers (norms, partitioning)"),
-    ("unit/runtime/utils/test_partition.py", "partition_uniform/balanced, PartitionedTensor"),
-    ("unit/runtime/half_precision/test_dynamic_loss_scale.py", "fp16 dynamic loss scaling"),
-    ("unit/runtime/half_precision/test_zero_optim_overflow.py", "overflow checks under ZeRO"),
-    ("unit/runtime/activation_checkpointing/test_activation_checkpointing.py", "deepspeed.checkpointing"),
-    ("unit/runtime/comm/test_coalesced_collectives.py", "reduce_scatter_coalesced"),
-    ("unit/runtime/pipe/test_pipe_schedule.py", "pipeline schedules (instructions)"),
-    ("unit/runtime/pipe/test_topology.py", "ProcessTopology and the grid"),
-    ("unit/runtime/pipe/test_pipe.py", "PipelineModule training"),
-    ("unit/pipe/test_pipe_module.py", "PipelineModule with activation checkpointing"),
-    ("unit/runtime/zero/test_zero_config.py", "ZeRO config classes"),
-    ("unit/runtime/zero/test_zero_context.py", "zero.Init, GatheredParameters"),
-    ("unit/runtime/zero/test_zero_context_return.py", "ZeRO-3 forward return values"),
-    ("unit/runtime/zero/test_zero_grad_clip.py", "safe_get/set_local_grad with clipping"),
-    ("unit/runtime/zero/test_unwrap_model.py", "unwrap_model_for_generation"),
-    ("unit/runtime/zero/test_ignore_unused_parameters.py", "ignore_unused_parameters"),
-    ("unit/runtime/zero/test_zero_leaf_module.py", "z3 leaf modules"),
-    ("unit/v1/zero/test_zero.py", "ZeRO stages 1-3 end to end"),
-    ("unit/v1/half_precision/test_bf16.py", "bf16 with ZeRO"),
-    ("unit/v1/moe/test_moe.py", "Mixture of Experts layer, gating, expert parallelism"),
-    ("unit/v1/accelerator/test_accelerator.py", "get_accelerator()"),
-    ("unit/v1/test_engine_log_level.py", "log_level (0.19 config key)"),
-    ("unit/checkpoint/test_latest_checkpoint.py", "`latest` and load without a tag"),
-    ("unit/checkpoint/test_lr_scheduler.py", "scheduler state in checkpoints"),
-    ("unit/checkpoint/test_other_optimizer.py", "checkpoints of other optimizers"),
-    ("unit/checkpoint/test_tag_validation.py", "checkpoint.tag_validation"),
-    ("unit/checkpoint/test_zero_optimizer.py", "ZeRO checkpoints, load at another stage/world"),
-    ("unit/checkpoint/test_moe_checkpoint.py", "MoE checkpoints"),
-    ("unit/checkpoint/test_pipeline.py", "pipeline checkpoints"),
-    ("unit/checkpoint/test_shared_weights.py", "tied weights and zero_to_fp32"),
-    ("unit/comm/test_dist.py", "deepspeed.comm and init_distributed"),
-    ("unit/comm/test_comms_logger.py", "comms logger"),
-    ("unit/launcher/test_ds_arguments.py", "add_config_arguments"),
-    ("unit/launcher/test_run.py", "launcher: hostfile, include/exclude"),
-    ("unit/monitor/test_monitor.py", "monitors"),
-    ("unit/ops/adagrad/test_cpu_adagrad.py", "DeepSpeedCPUAdagrad"),
-    ("unit/ops/lion/test_cpu_lion.py", "DeepSpeedCPULion"),
-    ("unit/utils/test_groups.py", "utils.groups"),
-    ("unit/utils/test_init_on_device.py", "OnDevice"),
-    ("unit/utils/test_partition_balanced.py", "runtime.utils.partition_balanced"),
-    ("unit/utils/test_get_optim_files.py", "zero_to_fp32 helpers"),
-]
+# DeepSpeed's CPU workflow (.github/workflows/cpu-torch-latest.yml at TESTS_COMMIT) runs `pytest --forked unit/`
+# twice: once with pytest.ini's marker expression (no sequential, nightly, inference, ... tests) and once with
+# `-m sequential`. The union of the two, as one expression:
+CPU_WORKFLOW_MARKERS = (
+    "(not sequential and not nightly and not inference and not seq_inference and not inference_ops and "
+    "not inference_v2 and not inference_v2_ops and not stable_diffusion and not evaluation) or sequential"
+)
+
+
+def test_files(tests_dir: Path) -> list[str]:
+    """Every test file of `unit/` as pytest finds them (pytest's default `test_*.py` / `*_test.py`)."""
+    unit = tests_dir / "unit"
+    found = {*unit.rglob("test_*.py"), *unit.rglob("*_test.py")}
+    return sorted(str(path.relative_to(tests_dir)) for path in found)
+
+
+def collect_inventory(python: str, tests_dir: Path, env: dict, log_dir: Path) -> dict:
+    """Per file of `unit/`, what DeepSpeed's CPU workflow collects there on this machine (one collection of
+    the whole tree on the DeepSpeed side; pytest_plugins/conformance_inventory.py writes it down)."""
+    out = log_dir / "inventory.json"
+    command = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+               "-p", "conformance_inventory", f"--inventory-out={out}", "--continue-on-collection-errors",
+               "-m", CPU_WORKFLOW_MARKERS, "unit/"]  # fmt: skip
+    with open(log_dir / "inventory.log", "w") as log:
+        subprocess.run(command, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
+    collected = json.loads(out.read_text())
+    inventory = {}
+    for name in test_files(tests_dir):
+        entry = collected.get(name, {"selected": 0, "deselected": 0, "skipped_whole": None, "error": None})
+        if entry["selected"]:
+            entry["runs"] = True
+        elif entry["skipped_whole"]:
+            entry["runs"], entry["why_not"] = (
+                False,
+                f"skipped whole on CPU by DeepSpeed: {entry['skipped_whole']}",
+            )
+        elif entry["error"]:
+            entry["runs"], entry["why_not"] = (
+                False,
+                f"DeepSpeed's own import of the file fails: {entry['error']}",
+            )
+        elif entry["deselected"]:
+            entry["runs"], entry["why_not"] = (
+                False,
+                "all its tests are deselected by the CPU workflow's markers",
+            )
+        else:
+            entry["runs"], entry["why_not"] = False, "no test collected on CPU"
+        inventory[name] = entry
+    return inventory
 
 
 def stage_alias(folder: Path) -> Path:
@@ -138,7 +146,9 @@ def side_environment(side: str, alias_dir: Path | None, extensions_dir: Path) ->
         TORCH_EXTENSIONS_DIR=str(extensions_dir),
     )
     plugins = str(Path(__file__).resolve().parent / "pytest_plugins")  # the per-test limit
-    env["PYTHONPATH"] = f"{alias_dir}{os.pathsep}{plugins}" if side == "shardspeed" else plugins
+    # the shardspeed side runs this tree's shardspeed (ahead of any installed one) behind its staged alias
+    shardspeed_side = os.pathsep.join((str(alias_dir), str(ROOT), plugins))
+    env["PYTHONPATH"] = shardspeed_side if side == "shardspeed" else plugins
     return env
 
 
@@ -154,7 +164,7 @@ def run_file(
     junit_path.unlink(missing_ok=True)
     command = [python, "-m", "pytest", "--forked", "-p", "no:cacheprovider", "-p", "no:randomly",
                "-rfEs", "--tb=short", f"--junitxml={junit_path}", "-p", "conformance_limit",
-               f"--per-test-limit={test_limit:.0f}", name]  # fmt: skip
+               f"--per-test-limit={test_limit:.0f}", "-m", CPU_WORKFLOW_MARKERS, name]  # fmt: skip
     started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -184,72 +194,145 @@ def _version(python: str, module: str, env: dict) -> str:
 
 
 def _check_interpreter(side: str, python: str, env: dict) -> None:
-    code = "import deepspeed, sys; print('shardspeed' in sys.modules, deepspeed.__file__)"
+    code = "import deepspeed, sys; print('shardspeed' in sys.modules, sys.modules.get('shardspeed', deepspeed).__file__)"
     out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise SystemExit(f"{side}: `import deepspeed` fails with {python}:\n{out.stderr[-2000:]}")
     if out.stdout.startswith("True") != (side == "shardspeed"):
         expected = "the alias" if side == "shardspeed" else "DeepSpeed itself"
         raise SystemExit(f"{side}: {python} imports deepspeed as {out.stdout.strip()}, expected {expected}")
+    if side == "shardspeed" and not out.stdout.split()[-1].startswith(str(ROOT)):
+        raise SystemExit(f"shardspeed side imports shardspeed from {out.stdout.split()[-1]}, not from {ROOT}")
+
+
+def _tree_commit() -> str | None:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tests", type=Path, required=True, help="DeepSpeed's tests/ folder")
     parser.add_argument("--shardspeed-python", default=sys.executable)
-    parser.add_argument("--deepspeed-python")
+    parser.add_argument("--deepspeed-python", help="needed to take the inventory and for the DeepSpeed side")
     parser.add_argument("--only", choices=SIDES, help="run one side; the other keeps its last results")
-    parser.add_argument("--files", nargs="+", help="a subset of FILES (default: all of them)")
+    parser.add_argument(
+        "--files", nargs="+", help="these files of unit/ only (default: every file DeepSpeed runs)"
+    )
+    parser.add_argument(
+        "--chunk", help="I/N: the I-th of N interleaved parts of the files (run parts in turns)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="skip files that already have results for a side"
+    )
+    parser.add_argument(
+        "--inventory", action="store_true", help="take the inventory again (else the recorded one)"
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite the .md from the .json; run nothing"
+    )
     parser.add_argument("--file-timeout", type=float, default=1800.0, help="seconds per file and side")
     parser.add_argument("--test-timeout", type=float, default=240.0, help="seconds per test")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "deepspeed_unit_tests_logs",
                         help="each file's pytest output, per side")  # fmt: skip
     parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores, {platform.platform()}")
+    parser.add_argument("--tree-commit", default=_tree_commit(),
+                        help="the shardspeed commit this tree is (recorded with each alias-side row)")  # fmt: skip
     args = parser.parse_args(argv)
     if not (args.tests / "unit" / "common.py").is_file():
         parser.error(f"--tests {args.tests}: not DeepSpeed's tests folder (no unit/common.py in it)")
-    unknown = sorted(set(args.files or ()) - {name for name, _ in FILES})
+    unknown = sorted(set(args.files or ()) - set(test_files(args.tests)))
     if unknown:
-        parser.error(f"--files: not in the selection: {unknown}")
-    if args.only != "shardspeed" and not args.deepspeed_python:
+        parser.error(f"--files: not test files of {args.tests}/unit: {unknown}")
+    if args.chunk:
+        part, _, parts = args.chunk.partition("/")
+        if not (part.isdigit() and parts.isdigit() and 1 <= int(part) <= int(parts)):
+            parser.error(f"--chunk {args.chunk}: expected I/N with 1 <= I <= N")
+        args.chunk = (int(part), int(parts))
+    if args.only != "shardspeed" and not args.deepspeed_python and not args.report_only:
         parser.error("--deepspeed-python is required unless --only shardspeed")
     return args
+
+
+@contextlib.contextmanager
+def _locked_results(json_path: Path):
+    """The results, read under a lock and written back on exit: chunks may run side by side."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    # the lock lives outside the repository; its name is that of the results file it guards
+    lock_name = "deepspeed_unit_tests-" + hashlib.sha1(str(json_path.resolve()).encode()).hexdigest()[:12]
+    with open(Path(tempfile.gettempdir()) / f"{lock_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = json.loads(json_path.read_text()) if json_path.exists() else {}
+        if results.get("meta", {}).get("tests_commit") not in (None, TESTS_COMMIT):
+            results = {}  # another commit's results do not mix with this one's
+        results.setdefault("meta", {})
+        results.setdefault("files", {})
+        yield results
+        json_path.write_text(json.dumps(results, indent=1, sort_keys=False))
+
+
+def _selected(args, inventory: dict) -> list[str]:
+    names = args.files or [name for name, entry in inventory.items() if entry["runs"]]
+    if args.chunk:
+        part, parts = args.chunk
+        names = names[part - 1 :: parts]
+    return names
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     json_path = args.out / "deepspeed_unit_tests.json"
-    results = json.loads(json_path.read_text()) if json_path.exists() else {"files": {}}
-    if results.get("meta", {}).get("tests_commit") not in (None, TESTS_COMMIT):
-        results = {"files": {}}  # another commit's results do not mix with this one's
-    sides = [args.only] if args.only else list(SIDES)
-    names = args.files or [name for name, _ in FILES]
-    results["files"] = {name: results["files"].get(name, {}) for name, _ in FILES}
     with tempfile.TemporaryDirectory(prefix="ds-conformance-") as tmp:
         alias_dir = stage_alias(Path(tmp) / "alias")
-        meta = results.setdefault("meta", {})
-        meta.update(tests_commit=TESTS_COMMIT, machine=args.machine,
-                    date=datetime.date.today().isoformat(), file_timeout_s=args.file_timeout,
-                    test_timeout_s=args.test_timeout)  # fmt: skip
-        for side in sides:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        with _locked_results(json_path) as results:
+            if not args.report_only and (args.inventory or "inventory" not in results):
+                env = side_environment("deepspeed", alias_dir, args.logs / "torch_extensions")
+                results["inventory"] = collect_inventory(args.deepspeed_python, args.tests, env, args.logs)
+                results["meta"]["inventory_date"] = datetime.date.today().isoformat()
+            inventory = results.get("inventory", {})
+            # one row per file DeepSpeed runs, in the tree's order; rows of files it does not run are dropped
+            if inventory:
+                results["files"] = {
+                    name: results["files"].get(name, {}) for name, entry in inventory.items() if entry["runs"]
+                }
+            results["meta"].update(
+                tests_commit=TESTS_COMMIT, machine=args.machine, markers=CPU_WORKFLOW_MARKERS
+            )
+        names = [] if args.report_only else _selected(args, inventory)
+        for side in [] if args.report_only else [args.only] if args.only else list(SIDES):
             python = args.deepspeed_python if side == "deepspeed" else args.shardspeed_python
             env = side_environment(side, alias_dir, args.logs / "torch_extensions")
             (args.logs / side).mkdir(parents=True, exist_ok=True)
             _check_interpreter(side, python, env)
-            meta[f"{side}_version"] = _version(
-                python, "deepspeed" if side == "deepspeed" else "shardspeed", env
-            )
-            meta[f"{side}_torch"] = _version(python, "torch", env)
+            versions = {
+                f"{side}_version": _version(
+                    python, "deepspeed" if side == "deepspeed" else "shardspeed", env
+                ),
+                f"{side}_torch": _version(python, "torch", env),
+            }
             for name in names:
+                with _locked_results(json_path) as results:
+                    done = side in results["files"].get(name, {})
+                if args.resume and done:
+                    continue
                 row = run_file(
                     python, args.tests, name, env, (args.test_timeout, args.file_timeout), args.logs / side
                 )
-                results["files"][name][side] = row
+                row.update(date=datetime.date.today().isoformat(), markers="cpu-workflow",
+                           file_timeout_s=args.file_timeout, test_timeout_s=args.test_timeout)  # fmt: skip
+                if side == "shardspeed":
+                    row["shardspeed_commit"] = args.tree_commit
+                with _locked_results(json_path) as results:
+                    results["files"].setdefault(name, {})[side] = row
+                    results["meta"].update(versions)
                 print(f"[{side}] {name}: {row['passed']}/{row['collected']} passed, {row['status']}, "
                       f"{row['seconds']:.0f} s", flush=True)  # fmt: skip
-                json_path.write_text(json.dumps(results, indent=1, sort_keys=False))
-    (args.out / "deepspeed_unit_tests.md").write_text(render_markdown(results))
+    with _locked_results(json_path) as results:
+        (args.out / "deepspeed_unit_tests.md").write_text(render_markdown(results))
     print(f"wrote {json_path} and deepspeed_unit_tests.md")
     return 0
 

@@ -13,6 +13,7 @@ from shardspeed.comm.init import init_distributed
 from shardspeed.config import ConfigError, load_config
 from shardspeed.config.loader import read_config_source
 from shardspeed.core.layout import build_parallel_grid, data_parallel_world
+from shardspeed.core.usage_errors import ArgumentUsageError
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
@@ -107,7 +108,12 @@ def initialize(
     instances or callables and override the config's blocks, as in DeepSpeed.
     """
     if model is None:
-        raise ValueError("initialize() needs a model")
+        hint = (
+            ": the first positional argument is `args` (a namespace), not the model; pass model=..."
+            if isinstance(args, nn.Module)
+            else ""
+        )
+        raise ArgumentUsageError(f"initialize() needs a model{hint}")
     # The config is read (file, base64 or dict) once here; from then on the dict and the typed plan built
     # from it (`ShardspeedConfig`) are all that is used.
     raw = _with_mesh(read_config_source(_config_source(args, config, config_params)), mesh_param)

@@ -332,3 +332,22 @@ def test_partition_activations_over_a_two_rank_group(two_rank_results):
         assert kept == [40, 40, 40]  # half of each 8x10 input per rank
     # each tensor-parallel rank gets its own model-parallel stream (seed + 2718 + rank)
     assert not torch.equal(results[0][2], results[1][2])
+
+
+def test_deepspeed_module_globals_read_and_write_the_settings():
+    checkpointing.reset()
+    state.configure(None)
+    try:
+        assert checkpointing.deepspeed_checkpointing_enabled is False and checkpointing.num_layers is None
+        checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True, num_checkpoints=3)
+        assert (checkpointing.PARTITION_ACTIVATIONS, checkpointing.CPU_CHECKPOINT) == (True, True)
+        assert checkpointing.num_layers == 3 and checkpointing.deepspeed_checkpointing_enabled is True
+        checkpointing.PARTITION_ACTIVATIONS = False  # DeepSpeed code assigns the globals: the option changes
+        assert state.current().partition_activations is False
+        checkpointing.deepspeed_checkpointing_enabled = False
+        assert not checkpointing.is_configured()
+        with pytest.raises(AssertionError, match="number of layers"):  # DeepSpeed asserts; also a ValueError
+            checkpointing.configure(None, contiguous_checkpointing=True)
+    finally:
+        checkpointing.reset()
+        state.configure(None)

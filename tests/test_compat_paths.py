@@ -429,3 +429,25 @@ def test_pipeline_use_reentrant_false_is_what_runs_and_true_is_refused():
     )
     with pytest.raises(ConfigError, match=r"pipeline\.use_reentrant: true is not supported"):
         load_config({"train_batch_size": 1, "pipeline": {"use_reentrant": True}})
+
+
+def test_get_gradient_clipping_reads_the_key_with_deepspeeds_default():
+    get_gradient_clipping = _walk("runtime.config.get_gradient_clipping")
+    assert get_gradient_clipping({}) == _walk("runtime.constants.GRADIENT_CLIPPING_DEFAULT") == 1.0
+    assert get_gradient_clipping({"gradient_clipping": 0.5}) == 0.5
+    with pytest.raises(shardspeed.ConfigError, match="gradient_clipping"):
+        get_gradient_clipping({"gradient_clipping": -1.0})
+
+
+def test_move_to_device_moves_nested_tensors_and_in_place_where_the_criterion_says():
+    move_to_device = _walk("runtime.utils.move_to_device")
+    a, b = torch.ones(2, dtype=torch.float64), torch.zeros(3)
+    moved = move_to_device({"x": [a, (b, 7)]}, "meta")
+    assert moved["x"][0].device.type == "meta" and moved["x"][1][0].device.type == "meta"
+    assert moved["x"][1][1] == 7 and a.device.type == "cpu"  # copies; the originals stay
+    # a tensor meeting the criterion is moved in place (its storage replaced) and returned itself; the others
+    # are copied (only CPU here, and storage cannot be swapped to "meta", so the in-place move stays on CPU)
+    in_place = move_to_device([a, b], "cpu", criterion_func=lambda t: t.dtype == torch.float64)
+    assert in_place[0] is a
+    copied = move_to_device([a, b], "meta", criterion_func=lambda t: False)
+    assert copied[0].device.type == "meta" and a.device.type == "cpu"

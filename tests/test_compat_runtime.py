@@ -264,7 +264,7 @@ def test_zero_to_fp32_functions_and_cli_by_deepspeeds_path(job, tmp_path):
     )
     out = tmp_path / "fp32"
     cli = subprocess.run(
-        [sys.executable, "-m", "shardspeed.utils.zero_to_fp32", str(root), str(out), "-t", "step2", "--no-safe_serialization"],
+        [sys.executable, "-m", "shardspeed.utils.zero_to_fp32", str(root), str(out), "-t", "step2"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-2000:]

@@ -108,7 +108,12 @@ def test_consolidated_state_dict_equals_reference(saved, tmp_path):
     assert diff <= 1e-5
     assert torch.equal(state["pos"], expected["pos"])
 
-    files = convert_zero_checkpoint_to_fp32_state_dict(root / "s3", tmp_path / "out")
+    # DeepSpeed's default output: one pytorch_model.bin
+    files = convert_zero_checkpoint_to_fp32_state_dict(root / "s3", tmp_path / "bin")
+    assert [f.name for f in files] == ["pytorch_model.bin"]
+    written = torch.load(files[0], weights_only=True)
+    assert set(written) == set(state) and all(torch.equal(written[k], state[k]) for k in state)
+    files = convert_zero_checkpoint_to_fp32_state_dict(root / "s3", tmp_path / "out", safe_serialization=True)
     assert [f.name for f in files] == ["model.safetensors"]
     written = load_file(tmp_path / "out" / "model.safetensors")
     assert set(written) == set(state) and all(torch.equal(written[k], state[k]) for k in state)
@@ -123,7 +128,9 @@ def test_consolidated_state_dict_equals_reference(saved, tmp_path):
 def test_sharded_output_with_index(saved, tmp_path):
     root, _ = saved
     state = get_fp32_state_dict_from_zero_checkpoint(root / "s3")
-    files = convert_zero_checkpoint_to_fp32_state_dict(root / "s3", tmp_path / "st", max_shard_size="16KB")
+    files = convert_zero_checkpoint_to_fp32_state_dict(
+        root / "s3", tmp_path / "st", max_shard_size="16KB", safe_serialization=True
+    )
     index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
     shards = sorted({*index["weight_map"].values()})
     assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -144,9 +151,7 @@ def test_sharded_output_with_index(saved, tmp_path):
     assert set(merged) == set(state) and all(torch.equal(merged[k], state[k]) for k in state)
 
     # pytorch_model.bin flavour (DeepSpeed's default), sharded the same way.
-    convert_zero_checkpoint_to_fp32_state_dict(
-        root / "s3", tmp_path / "bin", max_shard_size="40KB", safe_serialization=False
-    )
+    convert_zero_checkpoint_to_fp32_state_dict(root / "s3", tmp_path / "bin", max_shard_size="40KB")
     index = json.loads((tmp_path / "bin" / "pytorch_model.bin.index.json").read_text())
     merged = {}
     for name in sorted({*index["weight_map"].values()}):
@@ -183,7 +188,9 @@ def test_cli(saved, tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "shardspeed.checkpoint.consolidate", str(root / "s2-bf16"), str(out)]
     done = subprocess.run(
-        [*cmd, "--max_shard_size", "30KB", "-t", "global_step3"], capture_output=True, text=True
+        [*cmd, "--max_shard_size", "30KB", "-t", "global_step3", "--safe_serialization"],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -181,6 +181,19 @@ def test_initialize_refuses_bad_arguments():
     assert "optimizer" in out["bad_optimizer_object"]
 
 
+def test_initialize_without_a_model_raises_what_deepspeed_and_python_code_catch():
+    import pytest
+
+    import shardspeed
+
+    for error in (ValueError, AssertionError):
+        with pytest.raises(error, match="needs a model"):
+            shardspeed.initialize(model=None, config=base_config())
+    # DeepSpeed's first positional argument is `args`: a model passed there is named in the message
+    with pytest.raises(AssertionError, match="pass model="):
+        shardspeed.initialize(TinyGPT(), config=base_config())
+
+
 def _generator_parameters(_: int) -> list[int]:
     import shardspeed
 

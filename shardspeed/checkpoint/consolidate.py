@@ -255,14 +255,15 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     checkpoint_dir,
     output_dir,
     max_shard_size="5GB",
-    safe_serialization: bool = True,
+    safe_serialization: bool = False,
     tag=None,
     exclude_frozen_parameters: bool = False,
 ) -> list[Path]:
     """Write the full fp32 state dict of a checkpoint into `output_dir`; returns the files written.
 
-    One `model.safetensors` (or `pytorch_model.bin` with `safe_serialization=False`), or numbered shards
-    and an index when the total exceeds `max_shard_size` (None: never shard).
+    One `pytorch_model.bin`, as DeepSpeed writes by default (or `model.safetensors` with
+    `safe_serialization=True`), or numbered shards and an index when the total exceeds `max_shard_size`
+    (None: never shard). Both load with weights only (`torch.load(weights_only=True)`, safetensors).
     """
     reader = open_reader(checkpoint_dir, tag)  # tensor-parallel shards merged
     entries = _entries(reader, exclude_frozen_parameters)
@@ -306,7 +307,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "checkpoint_dir", help="folder holding 'latest' and the tag folders, e.g. path/checkpoint-12"
     )
-    parser.add_argument("output_dir", help="folder to write model.safetensors (or shards and an index) into")
+    parser.add_argument("output_dir", help="folder to write pytorch_model.bin (or shards and an index) into")
     parser.add_argument(
         "--max_shard_size",
         default="5GB",
@@ -315,8 +316,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--safe_serialization",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="write safetensors (the default here; DeepSpeed's default is pytorch_model.bin)",
+        default=False,
+        help="write model.safetensors instead of pytorch_model.bin (DeepSpeed's default)",
     )
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     parser.add_argument(

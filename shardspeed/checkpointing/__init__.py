@@ -8,13 +8,17 @@ Not to be confused with `shardspeed.checkpoint`, which saves and loads model che
 
 from __future__ import annotations
 
+import sys
+
 from shardspeed.checkpointing import state
 from shardspeed.checkpointing.core import CheckpointFunction, checkpoint, non_reentrant_checkpoint, reset
+from shardspeed.checkpointing.module_globals import CheckpointingModule
 from shardspeed.checkpointing.rng import (
     CudaRNGStatesTracker,
     get_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
+from shardspeed.core.usage_errors import ArgumentUsageError
 
 __all__ = [
     "CheckpointFunction",
@@ -47,9 +51,9 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     values = {name: getattr(block, name) for name in overrides}
     values.update({k: v for k, v in overrides.items() if v is not None})
     if values["contiguous_memory_optimization"] and values["number_checkpoints"] is None:
-        raise ValueError(
+        raise ArgumentUsageError(  # DeepSpeed asserts here
             "activation_checkpointing.contiguous_memory_optimization needs number_checkpoints (or "
-            "configure(num_checkpoints=...)): the number of buffers to preallocate"
+            "configure(num_checkpoints=...)): the number of layers, one preallocated buffer each"
         )
     reset()
     state.configure(state.Settings(mpu=mpu_, **values))
@@ -84,3 +88,7 @@ def set_num_layers(nlayers: int) -> None:
     settings = state.current()
     settings.number_checkpoints = int(nlayers)
     state.configure(settings)
+
+
+# DeepSpeed's module globals (PARTITION_ACTIVATIONS, CPU_CHECKPOINT, num_layers, ...) as views of the settings
+sys.modules[__name__].__class__ = CheckpointingModule

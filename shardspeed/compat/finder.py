@@ -79,8 +79,11 @@ def resolve(path: str):
 
 
 def _listed(path: str):
-    """What the table places at `path`, or None where it lists nothing there."""
-    return resolve(path) if path in PATHS else None
+    """What the table places at `path` (a module where table paths lie below it), or None where it lists
+    nothing there."""
+    if path in PATHS:
+        return resolve(path)
+    return importlib.import_module(_absolute(path)) if path in _PREFIXES else None
 
 
 def _deepspeed_paths(fullname: str) -> list[str]:
@@ -191,6 +194,10 @@ class _TableAttributesLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self.inner.exec_module(module)
         _with_table_attributes(module)
+        if not hasattr(module, "__path__") and _relative(module.__name__) in _PREFIXES:
+            # DeepSpeed has a package where shardspeed has one file (`ops.adam`, whose `cpu_adam` and
+            # `fused_adam` are this module): a search path makes its table children importable
+            module.__path__ = []
         module.__loader__ = self.inner  # tools (inspect, linecache, runpy) talk to the real loader
         if module.__spec__ is not None:
             module.__spec__.loader = self.inner

@@ -320,9 +320,10 @@ PATHS: dict[str, object] = {
     "runtime.comm.compressed": NotOffered("1-bit compressed communication is not built", True),
     "runtime.fp16.onebit": NotOffered("1-bit Adam/LAMB optimizers are not built", True),
     "ops.aio.AsyncIOBuilder": "shardspeed.compat.mirrors.op_builder:AsyncIOBuilder",
-    "moe.sharded_moe._route_slots": NotOffered(_INTERNAL),
-    "moe.sharded_moe._sparse_encode": NotOffered(_INTERNAL),
-    "moe.sharded_moe._sparse_decode": NotOffered(_INTERNAL),
+    "moe.sharded_moe._route_slots": "shardspeed.moe.sparse_routes:route_slots",
+    "moe.sharded_moe._sparse_encode": "shardspeed.moe.sparse_routes:sparse_encode",
+    "moe.sharded_moe._sparse_decode": "shardspeed.moe.sparse_routes:sparse_decode",
+    "moe.sharded_moe._AllToAll": "shardspeed.moe.comm:AllToAll",
     "utils.groups._get_expert_parallel_ranks": "shardspeed.moe.groups:expert_parallel_ranks",
     "utils.set_z3_leaf_modules_by_name": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_name",
     "utils.set_z3_leaf_modules_by_suffix": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_suffix",
@@ -367,6 +368,223 @@ PATHS: dict[str, object] = {
         "the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"
     ),
 }
+
+# Every other module path of the DeepSpeed 0.19.8 wheel (tests/deepspeed_0_19_8_modules.txt), so that no
+# program dies importing one: the module where shardspeed has it, else a stand-in module saying why.
+_OPTIMIZER_MODULES = {  # DeepSpeed keeps each optimizer in a submodule; here each family is one module
+    "ops.adam.cpu_adam": "shardspeed.ops.adam",
+    "ops.adam.fused_adam": "shardspeed.ops.adam",
+    "ops.adagrad.cpu_adagrad": "shardspeed.ops.adagrad",
+    "ops.lion.cpu_lion": "shardspeed.ops.lion",
+    "ops.lion.fused_lion": "shardspeed.ops.lion",
+    "ops.lamb.fused_lamb": "shardspeed.ops.lamb",
+    "comm.comm": "shardspeed.comm",  # `deepspeed.comm` is `from .comm import *` of this module
+}
+PATHS.update(_OPTIMIZER_MODULES)
+# every builder module (per op, per accelerator) holds builder classes, all of which the one mirror defines
+_OP_BUILDER_MODULES = (
+    "async_io builder dc evoformer_attn fp_quantizer fused_adam fused_lamb fused_lion gds inference_core_ops "
+    "inference_cutlass_builder pin_memory pin_memory_load quantizer ragged_ops ragged_utils random_ltd "
+    "spatial_inference stochastic_transformer transformer transformer_inference utils "
+    "cpu cpu.async_io cpu.builder cpu.comm cpu.cpu_adagrad cpu.cpu_adam cpu.cpu_lion cpu.fused_adam "
+    "cpu.no_impl cpu.pin_memory "
+    "hpu hpu.builder hpu.cpu_adam hpu.fp_quantizer hpu.fused_adam hpu.no_impl hpu.transformer_inference "
+    "klxpu klxpu.async_io klxpu.builder klxpu.cpu_adagrad klxpu.cpu_adam klxpu.cpu_lion klxpu.fused_adam "
+    "klxpu.no_impl klxpu.pin_memory klxpu.utils "
+    "mlu mlu.builder mlu.cpu_adagrad mlu.cpu_adam mlu.fused_adam mlu.no_impl "
+    "mps mps.builder mps.cpu_adam mps.fused_adam mps.no_impl "
+    "npu npu.async_io npu.builder npu.cpu_adagrad npu.cpu_adam npu.cpu_lion npu.fused_adam npu.fused_lamb "
+    "npu.fused_lion npu.inference npu.no_impl npu.pin_memory npu.quantizer "
+    "sdaa sdaa.builder sdaa.cpu_adam sdaa.fused_adam sdaa.no_impl "
+    "supa supa.async_io supa.builder supa.cpu_adagrad supa.cpu_adam supa.cpu_lion supa.fused_adam "
+    "supa.fused_lamb supa.fused_lion supa.inference supa.no_impl supa.pin_memory supa.quantizer "
+    "xpu xpu.async_io xpu.builder xpu.cpu_adagrad xpu.cpu_adam xpu.flash_attn xpu.fused_adam xpu.no_impl "
+    "xpu.pin_memory"
+)
+for _module in _OP_BUILDER_MODULES.split():
+    PATHS[f"ops.op_builder.{_module}"] = "shardspeed.compat.mirrors.op_builder"
+_AUTOEP = "AutoEP (expert parallelism injected into Hugging Face MoE models) is not built; use deepspeed.moe.layer.MoE"
+_INJECTION = (
+    "DeepSpeed's kernel injection (its policies, containers and fused layers) is not built: init_inference runs "
+    "the model's own modules, sharded by AutoTP"
+)
+_AUTOTP_INTERNAL = (
+    "an internal of DeepSpeed's AutoTP; shardspeed's AutoTP (init_inference tensor_parallel, tp_model_init and "
+    "the tensor_parallel config block) shards the model itself"
+)
+_OTHER_DEVICES = (
+    "shardspeed has one accelerator class for CUDA and CPU (accelerator.DeepSpeedAccelerator); "
+    "get_accelerator() returns it"
+)
+_COMM_BACKENDS = "DeepSpeed's communication backend classes; shardspeed.comm calls torch.distributed directly"
+_STAND_IN_MODULES = {
+    "accelerator.cpu_accelerator": _OTHER_DEVICES,
+    "accelerator.cuda_accelerator": _OTHER_DEVICES,
+    "accelerator.hpu_accelerator": _OTHER_DEVICES,
+    "accelerator.klxpu_accelerator": _OTHER_DEVICES,
+    "accelerator.mlu_accelerator": _OTHER_DEVICES,
+    "accelerator.mps_accelerator": _OTHER_DEVICES,
+    "accelerator.npu_accelerator": _OTHER_DEVICES,
+    "accelerator.sdaa_accelerator": _OTHER_DEVICES,
+    "accelerator.supa_accelerator": _OTHER_DEVICES,
+    "accelerator.xpu_accelerator": _OTHER_DEVICES,
+    "comm.backend": _COMM_BACKENDS,
+    "comm.torch": _COMM_BACKENDS,
+    "comm.ccl": _COMM_BACKENDS,
+    "comm.mori": _COMM_BACKENDS,
+    "comm.reduce_op": _COMM_BACKENDS,
+    "comm.config": _INTERNAL,
+    "comm.constants": _INTERNAL,
+    "comm.utils": _INTERNAL,
+    "comm.pg_utils": _INTERNAL,
+    "inference.quantization": "DeepSpeed's int4/int8 weight-only inference quantization is not built",
+    "inference.v2": "the inference v2 (FastGen) engine and its ragged kernels are not built; shardspeed.mii serves",
+    "launcher.constants": _INTERNAL,
+    "launcher.launcher_helper": "DeepSpeed's MPI launcher helper is not built; shardspeed's launcher starts ranks",
+    "module_inject.auto_ep": _AUTOEP,
+    "module_inject.auto_ep_comm": _AUTOEP,
+    "module_inject.auto_ep_config": _AUTOEP,
+    "module_inject.auto_ep_folding": _AUTOEP,
+    "module_inject.auto_ep_layer": _AUTOEP,
+    "module_inject.auto_ep_preset_adapters": _AUTOEP,
+    "module_inject.auto_ep_presets": _AUTOEP,
+    "moe.ep_count": _AUTOEP,
+    "moe.ep_experts": _AUTOEP,
+    "moe.ep_kernels": _AUTOEP,
+    "moe.ep_repack": _AUTOEP,
+    "moe.ep_router": _AUTOEP,
+    "moe.ep_tp_dispatch": _AUTOEP,
+    "moe.fused_expert_layout": _AUTOEP,
+    "module_inject.containers": _INJECTION,
+    "module_inject.inject": _INJECTION,
+    "module_inject.load_checkpoint": _INJECTION,
+    "module_inject.module_quantize": _INJECTION,
+    "module_inject.policy": _INJECTION,
+    "module_inject.replace_module": _INJECTION,
+    "module_inject.replace_policy": _INJECTION,
+    "module_inject.utils": _INJECTION,
+    "module_inject.auto_tp_model_utils": _AUTOTP_INTERNAL,
+    "module_inject.autotp_config": _AUTOTP_INTERNAL,
+    "module_inject.fusedqkv_utils": _AUTOTP_INTERNAL,
+    "module_inject.tp_plan_converter": _AUTOTP_INTERNAL,
+    "module_inject.tp_shard": _AUTOTP_INTERNAL,
+    "runtime.tensor_parallel.config": _AUTOTP_INTERNAL,
+    "runtime.tensor_parallel.init_utils": _AUTOTP_INTERNAL,
+    "runtime.tensor_parallel.tp_manager": _AUTOTP_INTERNAL,
+    "monitor.utils": _INTERNAL,
+    "nvme": "DeepSpeed's NVMe benchmark scripts are not built; `python -m shardspeed.tools.nvme_tune` measures "
+    "the aio settings for the offload folder",
+    "ops.adam.multi_tensor_apply": _KERNELS,
+    "ops.lion.multi_tensor_apply": _KERNELS,
+    "ops.adam.zenflow_cpu_adam": "ZenFlow is not built",
+    "ops.adam.zenflow_torch_adam": "ZenFlow is not built",
+    "ops.compile": "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module",
+    "ops.gds": _KERNELS,
+    "ops.pin_memory": "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()",
+    "ops.triton_ops": _KERNELS,
+    "profiling.config": _INTERNAL,
+    "profiling.constants": _INTERNAL,
+    "runtime.activation_checkpointing.config": (
+        "DeepSpeed's config class for activation checkpointing; shardspeed reads the block into its one config "
+        "system (deepspeed.checkpointing.configure takes the same config)"
+    ),
+    "runtime.activation_checkpointing.offload_activations": "offloading hidden states to CPU memory between "
+    "forward and backward is not built; use cpu_checkpointing in the activation_checkpointing block",
+    "runtime.checkpoint_engine": "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only "
+    "checkpoint files itself",
+    "runtime.model_checkpointing": "checkpoint writers are not pluggable: shardspeed writes atomic, "
+    "weights-only checkpoint files itself",
+    "runtime.chunked_cross_entropy": _NOT_BUILT,
+    "runtime.domino": "Domino (tensor-parallel communication overlap) is not built",
+    "runtime.hybrid_engine_graph": "the hybrid engine (RLHF generate + train in one engine) is not built",
+    "runtime.rollout": "the hybrid engine's rollout API (RLHF generation) is not built",
+    "runtime.fp16.loss_scaler": "DeepSpeed's loss-scaler classes are internal to its optimizers; the engine's "
+    "optimizer scales the loss (engine.optimizer.cur_scale, the fp16 block configures it)",
+    "runtime.sparse_tensor": "sparse embedding gradients (sparse_gradients) are not built",
+    "runtime.superoffload": "SuperOffload is not built; ZeRO-3 offload_optimizer to cpu covers offloading",
+    "runtime.swap_tensor": "DeepSpeed's NVMe swapper classes are internal; shardspeed swaps to NVMe itself "
+    "(offload_param / offload_optimizer device nvme)",
+    "runtime.torch_autocast": _INTERNAL,
+    "runtime.weight_quantizer": "weight quantization on load is not built",
+    "runtime.zenflow": "ZenFlow is not built",
+    "runtime.zero.contiguous_memory_allocator": _INTERNAL,
+    "runtime.zero.muon": "ZeRO's Muon optimizer (its sharded Newton-Schulz step) is not built",
+    "runtime.zero.partitioned_param_coordinator": _INTERNAL,
+    "runtime.zero.partitioned_param_profiler": _INTERNAL,
+    "runtime.zero.test": _INTERNAL,
+    "runtime.zero.linear": "LinearModuleForZeroStage3 / zero3_linear_wrap are not built: ZeRO-3 gathers a "
+    "module's parameters around its forward and its backward, so torch's nn.Linear needs no wrapper",
+    "sequence.auto_sp": "automatic sequence parallelism (AutoSP) is not built; see deepspeed.sequence.layer",
+    "sequence.autosp_detector": "automatic sequence parallelism (AutoSP) is not built",
+    "sequence.autosp_fusion": "automatic sequence parallelism (AutoSP) is not built",
+    "sequence.autosp_vit": "automatic sequence parallelism (AutoSP) is not built",
+    "sequence.test_autosp": "automatic sequence parallelism (AutoSP) is not built",
+    "sequence.cross_entropy": "vocabulary-parallel cross-entropy for sequence parallelism is not built",
+    "sequence.linear_cross_entropy": "vocabulary-parallel cross-entropy for sequence parallelism is not built",
+    "sequence.vocab_parallel_ops": "vocabulary-parallel cross-entropy for sequence parallelism is not built",
+    "utils.bwc": _INTERNAL,
+    "utils.config": _INTERNAL,
+    "utils.debug": _INTERNAL,
+    "utils.exceptions": _INTERNAL,
+    "utils.module_utils": _INTERNAL,
+    "utils.nvtx": "NVTX ranges are not emitted; torch.profiler records the engine's phases",
+    "utils.pin_memory_tracker": "pinned host memory is not tracked separately; torch allocates it",
+    "utils.static_cache": _INTERNAL,
+    "utils.types": _KERNELS,
+    "utils.zero_to_torch": "use deepspeed.utils.zero_to_fp32 (its main() writes fp32 safetensors or "
+    "pytorch_model.bin shards)",
+}
+for _path, _reason in _STAND_IN_MODULES.items():
+    PATHS.setdefault(_path, NotOffered(_reason, True))
+PATHS.update(
+    {
+        "runtime.zero.tiling.TiledLinearReturnBias": NotOffered(
+            "TiledLinear is not built (ZeRO-3 gathers whole units)"
+        ),
+        "runtime.zero.partition_parameters.InsertPostInitMethodToModuleSubClasses": NotOffered(
+            "zero.Init's DeepSpeed base class (it patches nn.Module constructors); use deepspeed.zero.Init itself"
+        ),
+        "runtime.zero.partition_parameters.CUDAQuantizer": NotOffered(
+            "ZeRO++'s CUDA quantizer kernel; ZeRO++ here quantizes in PyTorch (shardspeed/zero/zeropp)"
+        ),
+        "sequence.layer.apply_rotary_pos_emb": "shardspeed.sequence.rotary:apply_rotary_pos_emb",
+        "sequence.layer._rotate_half": "shardspeed.sequence.rotary:rotate_half",
+        "sequence.layer._torchembed_available": "shardspeed.sequence.rotary:FUSED_ROPE_KERNEL",
+    }
+)
+# Names DeepSpeed's own tests import from modules shardspeed does have, which it does not offer there
+_NAMES_NOT_OFFERED = {
+    "module_inject.auto_tp": ("AutoTP AutoTPConfig PartitionType TPLayerSpec", _AUTOTP_INTERNAL),
+    "module_inject.layers": (
+        "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce SubParamLinearLayer "
+        "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer collect_autotp_universal_checkpoint_info "
+        "is_autotp_training_mode set_autotp_mode _build_param_uc_restore_meta _get_param_uc_conversion_meta "
+        "_subparam_shard_widths",
+        _AUTOTP_INTERNAL,
+    ),
+    "ops.op_builder": ("CUDAOpBuilder TorchCPUOpBuilder", _KERNELS),
+    "runtime.zero.partition_parameters": (
+        "get_allgather_dtype zero3_linear_wrap _contradicting_single_rank_pg_error",
+        _INTERNAL,
+    ),
+    "runtime.zero.parameter_offload": ("ZeROOrderedDict ensure_zero_ordered_dict", _INTERNAL),
+    "runtime.zero.offload_states": ("get_state_devices _make_offload_state_key", _INTERNAL),
+    "runtime.utils": (
+        "is_model_parallel_parameter register_output_backward_hooks count_used_parameters_in_backward "
+        "CheckOverflow get_weight_norm",
+        _INTERNAL,
+    ),
+    "sequence.layer": ("_SeqAllToAll", _INTERNAL),
+    "runtime.precision_config": (
+        "DeepSpeedFP16Config DeepSpeedBF16Config",
+        "DeepSpeed's pydantic config classes; shardspeed checks the fp16/bf16 blocks in its one config system "
+        "(runtime.precision_config.get_float16_config / get_bfloat16_config return them)",
+    ),
+    "inference.config": ("DeepSpeedMoEConfig", "MoE inference kernels are not built"),
+}
+for _module, (_names, _reason) in _NAMES_NOT_OFFERED.items():
+    for _name in _names.split():
+        PATHS.setdefault(f"{_module}.{_name}", NotOffered(_reason))
 
 # DeepSpeed-internal names its public modules expose (helpers of its own implementation, or of features
 # shardspeed does not build): importable stand-ins naming themselves when used. Grouped by module.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import functools
 import json
 import types
@@ -281,6 +282,8 @@ def _coerce_union(tp: Any, value: Any, path: str, ctx: BuildContext) -> Any:
 
 def _coerce_literal(tp: Any, value: Any, path: str) -> Any:
     choices = get_args(tp)
+    if isinstance(value, enum.Enum):  # a member of DeepSpeed's enums (OffloadDeviceEnum.cpu) is its value
+        value = value.value
     if all(isinstance(c, int) for c in choices) and _is_number(value):
         value = _coerce_scalar(int, value, path) if float(value).is_integer() else value
     for choice in choices:

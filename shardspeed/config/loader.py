@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import enum
 import json
 import os
 import warnings
@@ -98,7 +99,7 @@ def _warn_vocabulary_size(size: int | None) -> None:
 def read_config_source(config: Any) -> dict[str, Any]:
     """The config as a dict (the caller's own object when a dict is given: copy before changing it)."""
     if isinstance(config, dict):
-        return config
+        return _without_enum_members(config)
     if isinstance(config, os.PathLike):
         return _read_file(os.fspath(config))
     if not isinstance(config, str):
@@ -112,6 +113,21 @@ def read_config_source(config: Any) -> dict[str, Any]:
     if not config.strip() or _NOT_BASE64 & set(config.strip()):
         raise ConfigError(f"config file not found: {config!r}")
     return _read_base64(config)
+
+
+def _without_enum_members(value: Any) -> Any:
+    """`value` with each member of an Enum (DeepSpeed's `OffloadDeviceEnum.cpu`, ...) replaced by its value, as
+    DeepSpeed's pydantic config reads it; the same object when it holds none. The config dict is saved in
+    checkpoints, whose safe loading accepts plain values only."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        items = {key: _without_enum_members(item) for key, item in value.items()}
+        return value if all(items[key] is item for key, item in value.items()) else items
+    if isinstance(value, list):
+        items = [_without_enum_members(item) for item in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    return value
 
 
 def _read_file(path: str) -> dict[str, Any]:

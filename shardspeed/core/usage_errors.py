@@ -7,8 +7,13 @@ not allow, and an AssertionError too, so both kinds of `except` see it.
 
 from __future__ import annotations
 
-__all__ = ["EngineUsageError"]
+__all__ = ["ArgumentUsageError", "EngineUsageError"]
 
 
 class EngineUsageError(RuntimeError, AssertionError):
     """An engine method called where it is not allowed; the message says what to do instead."""
+
+
+class ArgumentUsageError(ValueError, AssertionError):
+    """A call's arguments are wrong in a way DeepSpeed checks with `assert` (`initialize()` without a model):
+    a ValueError, and an AssertionError for code written against DeepSpeed."""

@@ -25,11 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardspeed import comm as dist
 from shardspeed.moe.comm import AllToAll
+from shardspeed.moe.sparse_routes import sparse_routes as _sparse_output
 
-__all__ = ["MOELayer", "TopKGate", "top1gating", "top2gating", "topkgating"]
+__all__ = ["TUTEL_INSTALLED", "MOELayer", "TopKGate", "top1gating", "top2gating", "topkgating"]
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
+TUTEL_INSTALLED = False  # DeepSpeed's flag for Tutel's fused dispatch kernels, which are never used here
 
 
 def _capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
@@ -37,9 +40,8 @@ def _capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_cap
 
 
 def _max_over_group(count: int, ep_group) -> int:
-    """The largest `count` on any rank of `ep_group` (no-drop capacity must agree across the exchange)."""
-    import torch.distributed as dist
-
+    """The largest `count` on any rank of `ep_group` (no-drop capacity must agree across the exchange).
+    Through `dist` (shardspeed.comm, DeepSpeed's `sharded_moe.dist`), so the comms logger sees it."""
     if ep_group is None or dist.get_world_size(ep_group) == 1:
         return count
     from shardspeed.comm.collectives import comm_device
@@ -83,8 +85,9 @@ def _combine(choices: list[tuple[Tensor, Tensor, Tensor]], capacity: int) -> tup
 
 def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Tensor | None = None,
                noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group=None, use_tutel: bool = False):  # fmt: skip
-    """Top-1 gating. Returns (l_aux, combine_weights, dispatch_mask, exp_counts)."""
+               ep_group=None, sparse_routes: bool = False, use_tutel: bool = False):  # fmt: skip
+    """Top-1 gating. Returns (l_aux, combine_weights, dispatch_mask, exp_counts), or with `sparse_routes`
+    (l_aux, capacity, num_experts, indices, locations, gates, exp_counts) (moe/sparse_routes.py)."""
     del use_tutel
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
@@ -106,12 +109,14 @@ def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_t
     mask1 = _keep_within_capacity(mask1, capacity, priority)
     slots1 = torch.cumsum(mask1, dim=0) - 1
     weight1 = torch.sum(gates * mask1, dim=1)
+    if sparse_routes:
+        return _sparse_output([(weight1, mask1, slots1)], capacity, num_experts, l_aux, exp_counts)
     combine, dispatch = _combine([(weight1, mask1, slots1)], capacity)
     return l_aux, combine, dispatch, exp_counts
 
 
 def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=None, top2_2nd_expert_sampling: bool = True):  # fmt: skip
+               ep_group=None, top2_2nd_expert_sampling: bool = True, sparse_routes: bool = False):  # fmt: skip
     """Top-2 gating: each token to its best expert and (sampled with Gumbel noise, or the) second best."""
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
@@ -135,12 +140,14 @@ def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_t
     gates1 = torch.sum(gates * mask1, dim=1)
     gates2 = torch.sum(gates * mask2, dim=1)
     denom = torch.clamp(gates1 + gates2, min=torch.finfo(gates.dtype).eps)
-    return (l_aux, *_combine([(gates1 / denom, mask1, slots1), (gates2 / denom, mask2, slots2)], capacity),
-            exp_counts)  # fmt: skip
+    choices = [(gates1 / denom, mask1, slots1), (gates2 / denom, mask2, slots2)]
+    if sparse_routes:
+        return _sparse_output(choices, capacity, num_experts, l_aux, exp_counts)
+    return (l_aux, *_combine(choices, capacity), exp_counts)
 
 
 def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=None, drop_policy: str = "probs"):  # fmt: skip
+               ep_group=None, drop_policy: str = "probs", sparse_routes: bool = False):  # fmt: skip
     """General top-k gating; an over-full expert keeps its highest-gate tokens ("probs") or its first ones
     ("position"). Gate weights of the kept choices are renormalised to sum to one per token."""
     if drop_policy not in ("probs", "position"):
@@ -162,6 +169,10 @@ def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int
     slots = torch.cumsum(mask, dim=0) - 1
     kept = gates * mask
     kept = kept / torch.clamp(kept.sum(dim=1, keepdim=True), min=torch.finfo(gates.dtype).eps)
+    if sparse_routes:  # one choice per column of top_idx, in order of gate value
+        columns = [F.one_hot(top_idx[:, j], num_experts) * mask for j in range(k)]
+        choices = [(torch.sum(kept * col, dim=1), col, slots) for col in columns]
+        return _sparse_output(choices, capacity, num_experts, l_aux, exp_counts)
     combine = torch.einsum(
         "se,sec->sec", kept, F.one_hot(slots.clamp(min=0), num_classes=capacity).to(kept.dtype)
     )
@@ -197,7 +208,8 @@ class TopKGate(nn.Module):
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
 
-    def forward(self, input: Tensor, used_token: Tensor | None = None, use_tutel: bool = False):
+    def forward(self, input: Tensor, used_token: Tensor | None = None, sparse_routes: bool = False,
+                use_tutel: bool = False):  # fmt: skip
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = multiplicative_jitter(x)
@@ -206,11 +218,12 @@ class TopKGate(nn.Module):
         if self.k == 1:
             return top1gating(logits, factor, self.min_capacity, used_token,
                               self.noisy_gate_policy if self.training else None, self.drop_tokens,
-                              self.use_rts, self.ep_group, use_tutel)  # fmt: skip
+                              self.use_rts, self.ep_group, sparse_routes, use_tutel)  # fmt: skip
         if self.k == 2:
             return top2gating(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
-                              self.top2_2nd_expert_sampling)  # fmt: skip
-        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group)
+                              self.top2_2nd_expert_sampling, sparse_routes)  # fmt: skip
+        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group,
+                          sparse_routes=sparse_routes)  # fmt: skip
 
 
 class MOELayer(nn.Module):
@@ -247,7 +260,8 @@ class MOELayer(nn.Module):
         used_token = input[1] if len(input) > 1 else kwargs.get("used_token")
         self.l_aux, combine_weights, dispatch_mask, self.exp_counts = self.gate(tokens, used_token)
         dispatched = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(tokens), tokens)
-        dispatched = AllToAll.apply(self.ep_group, dispatched)
+        if self.ep_size > 1:  # one expert-parallel rank exchanges nothing
+            dispatched = AllToAll.apply(self.ep_group, dispatched)
         # (ep_size source ranks, local experts, capacity, d_model): each local expert sees every rank's slots
         dispatched = dispatched.reshape(self.ep_size, self.num_local_experts, -1, d_model)
         expert_output = self.experts(dispatched)
@@ -256,7 +270,8 @@ class MOELayer(nn.Module):
                 f"MoE experts returned shape {tuple(expert_output.shape)}, expected the input's shape "
                 f"{tuple(dispatched.shape)}: an expert must map (..., {d_model}) to (..., {d_model})"
             )
-        expert_output = AllToAll.apply(self.ep_group, expert_output)
+        if self.ep_size > 1:
+            expert_output = AllToAll.apply(self.ep_group, expert_output)
         expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, d_model)
         combined = torch.einsum("sec,ecm->sm", combine_weights.type_as(tokens), expert_output)
         return combined.reshape(hidden.shape)

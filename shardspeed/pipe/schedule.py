@@ -55,10 +55,12 @@ class PipeInstruction:
 class MicroBatchInstruction(PipeInstruction):
     micro_batch: int
     chunk: int = 0  # which of this rank's model chunks (virtual stages); always 0 without interleaving
+    buffer_id: int | None = None  # in DeepSpeed's step view (`ticks()`): the pipe buffer the micro-batch uses
 
     def __repr__(self) -> str:
         chunk = f", chunk={self.chunk}" if self.chunk else ""
-        return f"{type(self).__name__}(micro_batch={self.micro_batch}{chunk})"
+        buffer = f", buffer_id={self.buffer_id}" if self.buffer_id is not None else ""
+        return f"{type(self).__name__}(micro_batch={self.micro_batch}{chunk}{buffer})"
 
 
 class LoadMicroBatch(MicroBatchInstruction):
@@ -124,8 +126,50 @@ class PipeSchedule:
     def steps(self) -> list[PipeInstruction]:
         raise NotImplementedError
 
+    # -- DeepSpeed's view of the same schedule: lockstep steps ------------------------------------------------
+    # DeepSpeed's schedules are iterated step by step, each step a list of instructions (empty while the
+    # stage waits), every stage taking the same number of steps; a stage sends what it computed one step
+    # after computing it, when its peer is ready to receive it. The engine runs `steps()`; `ticks()` lays the
+    # same per-stage order of forwards and backwards out in those steps, with DeepSpeed's buffer ids.
+
+    @property
+    def stage(self) -> int:
+        return self.stage_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches
+
+    @property
+    def prev_stage(self) -> int:
+        return self.stage_id - 1
+
+    @property
+    def next_stage(self) -> int:
+        return self.stage_id + 1
+
+    def num_pipe_buffers(self) -> int:
+        """Micro-batches whose tensors this stage holds at once (DeepSpeed allocates that many buffers)."""
+        return 2
+
+    def ticks(self) -> list[list[PipeInstruction]]:
+        raise NotImplementedError(
+            f"{type(self).__name__} has no lockstep view (DeepSpeed has no such schedule); use steps()"
+        )
+
     def __iter__(self):
-        return iter(self.steps())
+        """DeepSpeed's iteration: one list of instructions per step (see `ticks`)."""
+        return iter(self.ticks())
+
+    def _valid(self, micro_batch: int) -> bool:
+        return 0 <= micro_batch < self.micro_batches
+
+    def _buffered(self, kind: type, micro_batch: int) -> MicroBatchInstruction:
+        return kind(micro_batch, buffer_id=micro_batch % self.num_pipe_buffers())
 
     def _forward(self, mb: int, chunk: int = 0) -> list[PipeInstruction]:
         first, last = self.is_first_part(chunk), self.is_last_part(chunk)
@@ -170,6 +214,43 @@ class TrainSchedule(PipeSchedule):
     def max_in_flight(self) -> int:
         """Micro-batches whose activations this stage holds at once."""
         return self.warmup() + 1
+
+    def num_pipe_buffers(self) -> int:
+        return max(2, min(self.max_in_flight(), self.micro_batches))
+
+    def _slot(self, step: int) -> tuple[int, bool]:
+        """(micro-batch, is_forward) of this stage's work at `step`: stage s runs the forward of micro-batch m
+        at step 2m + s and its backward at step 2m + 2 stages - s - 1, so every activation reaches the next
+        stage, and every gradient the previous one, exactly one step after it was computed."""
+        if (step - self.stage_id) % 2 == 0:
+            return (step - self.stage_id) // 2, True
+        return (step - 2 * self.stages + self.stage_id + 1) // 2, False
+
+    def ticks(self) -> list[list[PipeInstruction]]:
+        total = 2 * (self.micro_batches + self.stages - 1)
+        out: list[list[PipeInstruction]] = []
+        for step in range(total):
+            micro_batch, forward = self._slot(step)
+            previous, _ = self._slot(step - 1)  # what this stage computed one step ago (the other kind)
+            cmds: list[PipeInstruction] = []
+            if forward:
+                if self._valid(previous) and not self.is_first_stage:
+                    cmds.append(self._buffered(SendGrad, previous))
+                if self._valid(micro_batch) and not self.is_first_stage:
+                    cmds.append(self._buffered(RecvActivation, micro_batch))
+            else:
+                if self._valid(micro_batch) and not self.is_last_stage:
+                    cmds.append(self._buffered(RecvGrad, micro_batch))
+                if self._valid(previous) and not self.is_last_stage:
+                    cmds.append(self._buffered(SendActivation, previous))
+            if self._valid(micro_batch):
+                if forward and (self.is_first_stage or self.is_last_stage):
+                    cmds.append(self._buffered(LoadMicroBatch, micro_batch))
+                cmds.append(self._buffered(ForwardPass if forward else BackwardPass, micro_batch))
+            if step == total - 1:
+                cmds += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+            out.append(cmds)
+        return out
 
 
 class InterleavedTrainSchedule(PipeSchedule):
@@ -227,6 +308,25 @@ class InferenceSchedule(PipeSchedule):
             for chunk in range(self.chunks)
             for inst in self._forward(mb, chunk)
         ]
+
+    def ticks(self) -> list[list[PipeInstruction]]:
+        """Stage s forwards micro-batch m at step m + s and sends its activation at step m + s + 1."""
+        if self.chunks != 1:
+            return super().ticks()  # no lockstep view of the interleaved order
+        out: list[list[PipeInstruction]] = []
+        for step in range(self.micro_batches + self.stages - 1):
+            current, previous = step - self.stage_id, step - self.stage_id - 1
+            cmds: list[PipeInstruction] = []
+            if self._valid(previous) and not self.is_last_stage:
+                cmds.append(self._buffered(SendActivation, previous))
+            if self._valid(current):
+                if not self.is_first_stage:
+                    cmds.append(self._buffered(RecvActivation, current))
+                if self.is_first_stage or self.is_last_stage:
+                    cmds.append(self._buffered(LoadMicroBatch, current))
+                cmds.append(self._buffered(ForwardPass, current))
+            out.append(cmds)
+        return out
 
 
 def simulate(lists: list[list[PipeInstruction]], costs: dict | None = None) -> float:

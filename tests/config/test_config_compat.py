@@ -495,3 +495,29 @@ def test_booleans_written_as_0_or_1_are_taken_as_deepspeeds_blocks_take_them():
         ConfigError, match=r"zero_allow_untested_optimizer: expected a boolean \(true/false\), got 2"
     ):
         load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": 2})
+
+
+def test_members_of_deepspeeds_enums_stand_for_their_values():
+    from shardspeed.zero.offload_kinds import OffloadDeviceEnum
+
+    raw = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": OffloadDeviceEnum.none},
+            "offload_optimizer": {"device": OffloadDeviceEnum.cpu},
+        },
+    }
+    zero = load_config(raw).zero_optimization
+    assert zero.offload_param.device == "none" and zero.offload_optimizer.device == "cpu"
+    assert type(zero.offload_optimizer.device) is str
+    # the dict as read (kept with the engine and saved in checkpoints) holds the plain values
+    from shardspeed.config.loader import read_config_source
+
+    plain = read_config_source(raw)
+    assert type(plain["zero_optimization"]["offload_param"]["device"]) is str
+    assert (
+        raw["zero_optimization"]["offload_param"]["device"] is OffloadDeviceEnum.none
+    )  # the caller's is kept
+    untouched = {"train_micro_batch_size_per_gpu": 1}
+    assert read_config_source(untouched) is untouched

@@ -35,6 +35,11 @@ ADAM_W_MODE = "adam_w_mode"
 ADAM_W_MODE_DEFAULT = True
 LOG_LEVEL_DEFAULT = None  # DeepSpeed's default: the logger's level is left as it is
 
+# DeepSpeed's `<KEY>_DEFAULT` constants that code compares with, read from the schema so they cannot drift
+GRADIENT_CLIPPING_DEFAULT = next(
+    f.default for f in dataclasses.fields(ShardspeedConfig) if f.name == "gradient_clipping"
+)
+
 # Every top-level key of the config as a constant: TRAIN_BATCH_SIZE = "train_batch_size", ...
 for _field in dataclasses.fields(ShardspeedConfig):
     if not _field.name.startswith("_") and _field.name not in ("raw", "world_size"):

@@ -24,6 +24,7 @@ __all__ = [
     "DeepSpeedMonitorConfig",
     "get_bfloat16_config",
     "get_float16_config",
+    "get_gradient_clipping",
     "get_log_level",
 ]
 
@@ -132,3 +133,12 @@ def get_log_level(param_dict: dict) -> str | None:
     if param_dict.get("log_level") is None:
         return None
     return load_config({"train_micro_batch_size_per_gpu": 1, "log_level": param_dict["log_level"]}).log_level
+
+
+def get_gradient_clipping(param_dict: dict) -> float:
+    """DeepSpeed's `runtime.config.get_gradient_clipping`: the config's `gradient_clipping` as the engine uses
+    it, the schema's default (1.0, as in DeepSpeed 0.19) when absent; a bad value is a ConfigError naming it."""
+    config = {"train_micro_batch_size_per_gpu": 1}
+    if param_dict.get("gradient_clipping") is not None:
+        config["gradient_clipping"] = param_dict["gradient_clipping"]
+    return load_config(config).gradient_clipping

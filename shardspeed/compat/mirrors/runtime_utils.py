@@ -24,6 +24,7 @@ __all__ = [
     "call_to_str",
     "clip_grad_norm_",
     "get_global_norm",
+    "move_to_device",
     "partition_balanced",
     "partition_uniform",
     "prefix_sum_inc",
@@ -217,3 +218,22 @@ def see_memory_usage(message: str, force: bool = False, ranks=(0,)) -> None:
         )
     parts.append(f"RSS {_rss_bytes() / gib:.2f} GB")
     logger.info(" | ".join(parts))
+
+
+def move_to_device(item, device, criterion_func=None):
+    """DeepSpeed's `runtime.utils.move_to_device`: the tensors in `item` (nested lists, tuples and dicts) on
+    `device`. A tensor for which `criterion_func` is true moves in place (its storage is replaced, so every
+    reference to it sees the move) and is returned itself; the others are copied with `.to(device)`, as in
+    DeepSpeed. Leaves that are not tensors are returned as they are (DeepSpeed's `.to` fails on them)."""
+    if isinstance(item, list):
+        return [move_to_device(value, device, criterion_func) for value in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(value, device, criterion_func) for value in item)
+    if isinstance(item, dict):
+        return {key: move_to_device(value, device, criterion_func) for key, value in item.items()}
+    if not isinstance(item, torch.Tensor):
+        return item
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    return item.to(device)
