@@ -5,6 +5,7 @@ compared with the other's uninterrupted run.
 
     python run_script.py --world 2 --stage 2 --dtype fp32 --save DIR --out result.pt       # train, save, go on
     python run_script.py --world 1 --stage 1 --dtype fp32 --load DIR --out result.pt       # resume, go on
+    python run_script.py --world 2 --jobs jobs.json        # several of those (a JSON list of their options)
 
 It starts its own `--world` ranks (spawned, Gloo on loopback). The data of step k is a fixed global batch of
 8 samples drawn from a generator seeded by k and split between the ranks, so runs at 1, 2 and 4 ranks see the
@@ -13,6 +14,7 @@ batch), `weights` (every parameter in fp32 at the end: the fp32 master where the
 """
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -128,10 +130,13 @@ def rank_main(rank, args, port):
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    result = run(deepspeed, args.world, args.stage, args.dtype, save=args.save, load=args.load)
-    if rank == 0:
-        torch.save(result, args.out)
-    dist.barrier()
+    for job in args.jobs:  # several runs share the start-up of one process group
+        result = run(
+            deepspeed, args.world, job["stage"], job["dtype"], save=job.get("save"), load=job.get("load")
+        )
+        if rank == 0:
+            torch.save(result, job["out"])
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -142,10 +147,20 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--save")
     parser.add_argument("--load")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument(
+        "--jobs", help="a JSON file: a list of {stage, dtype, save or load, out}, run in turn"
+    )
     args = parser.parse_args(argv)
-    if bool(args.save) == bool(args.load):
-        parser.error("give exactly one of --save and --load")
+    if args.jobs:
+        with open(args.jobs) as f:
+            args.jobs = json.load(f)
+    else:
+        if bool(args.save) == bool(args.load) or not args.out:
+            parser.error("give --jobs, or --out and exactly one of --save and --load")
+        args.jobs = [
+            {"stage": args.stage, "dtype": args.dtype, "save": args.save, "load": args.load, "out": args.out}
+        ]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -82,6 +82,12 @@ class Zero12Layout:
             out.append(Piece(rank, place.buffer, a - rank * size, z - a))
         return out
 
+    def held_by(self, name: str, rank: int) -> list[tuple[int, int, int]]:
+        """[(lo, hi, at)]: elements [lo, hi) of `name` that `rank` holds, at `at` in its flat buffer."""
+        place, size = self.places[name], self.partition_numel[self.places[name].buffer]
+        return [(p.rank * size + p.start - place.offset, p.rank * size + p.start - place.offset + p.length, p.start)
+                for p in self.pieces(name, 0, place.numel) if p.rank == rank]  # fmt: skip
+
     def expected_fp32_numel(self, rank: int, group: int) -> int:
         """How many fp32 elements rank `rank` saves of group `group` (its slice without end padding)."""
         size = self.partition_numel[group]
@@ -116,3 +122,10 @@ class Zero3Layout:
             a, z = max(lo, rank * c), min(hi, (rank + 1) * c)
             out.append(Piece(rank, place.buffer, place.offset + a - rank * c, z - a))
         return out
+
+    def held_by(self, name: str, rank: int) -> list[tuple[int, int, int]]:
+        """[(lo, hi, at)]: elements [lo, hi) of `name` that `rank` holds, at `at` in its flat buffer."""
+        place = self.places[name]
+        c = self.chunk(place.numel)
+        lo, hi = min(rank * c, place.numel), min((rank + 1) * c, place.numel)
+        return [(lo, hi, place.offset)] if hi > lo else []
