@@ -27,7 +27,7 @@ import torch
 
 from shardspeed.checkpoint import files, verify
 from shardspeed.checkpoint import tensor_parallel as tp_files
-from shardspeed.checkpoint.deepspeed_format import DEEPSPEED_ENTRY, DeepSpeedCheckpointReader
+from shardspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointReader, deepspeed_raw
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.parts import LoadContext, LoadOptions, Part, Placement, SaveOptions
 from shardspeed.utils.logging import log_dist
@@ -57,7 +57,7 @@ def _shapes_differ(path: Path, mismatched: list[str]) -> CheckpointError:
 class ModelStates(Part):
     name = "model"
     keys = ("module", "buffer_names", "param_shapes", "frozen_param_names", "shared_params", "optimizer",
-            "zero_stage", "zero_partitions", "dp_world_size", DEEPSPEED_ENTRY)  # fmt: skip
+            "zero_stage", "zero_partitions", "dp_world_size")  # fmt: skip
     optional = True  # `check` names a file without these entries as not a shardspeed model-states file
     holds_weights = True
 
@@ -125,7 +125,7 @@ class ModelStates(Part):
     # -- checks (every rank, before anything is loaded) ---------------------------------------------------------
 
     def check(self, path: Path, state: dict, options: LoadOptions) -> None:
-        if DEEPSPEED_ENTRY in state:
+        if deepspeed_raw(state) is not None:
             self._check_names_and_shapes(state, options.strict, path)
             self._check_deepspeed(path, state)
             return
@@ -147,7 +147,7 @@ class ModelStates(Part):
 
     def _deepspeed_reader(self, path: Path, state: dict) -> DeepSpeedCheckpointReader:
         return DeepSpeedCheckpointReader(
-            path, model_states=state[DEEPSPEED_ENTRY], mp_rank=self.placement.mp_rank
+            path, model_states=deepspeed_raw(state), mp_rank=self.placement.mp_rank
         )
 
     def _check_names_and_shapes(self, state: dict, strict: bool, path: Path) -> None:
@@ -178,7 +178,7 @@ class ModelStates(Part):
     def needs_reshard(self, state: dict, path: Path) -> bool:
         """True when the checkpoint's partitioning differs from this engine's: another data-parallel world
         size, ZeRO stage, tensor degree, or (stages 1-3) bucket layout, e.g. after changing reduce_bucket_size."""
-        if DEEPSPEED_ENTRY in state:  # DeepSpeed's layout: always assembled by name
+        if deepspeed_raw(state) is not None:  # DeepSpeed's layout: always assembled by name
             return True
         saved_stage, stage = state.get("zero_stage", 0), self.zero_stage
         if self.optimizer is None:  # nothing partitioned here: only stage-3 parameters need assembling
@@ -223,7 +223,7 @@ class ModelStates(Part):
         """Load a checkpoint of any stage and world size: every rank assembles its own shards by name."""
         from shardspeed.checkpoint.universal import CheckpointReader
 
-        if DEEPSPEED_ENTRY in state:
+        if deepspeed_raw(state) is not None:
             reader = self._deepspeed_reader(path, state)
         elif tp_files.needs_tp_reshard(state, self.tp):  # another tensor degree: merge and re-split by name
             reader = tp_files.TensorParallelReader(path, state, self.tp)

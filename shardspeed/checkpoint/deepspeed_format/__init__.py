@@ -7,7 +7,12 @@ parameter name, safely (no pickled code runs).
 - engine_view.py: a DeepSpeed model-states file under shardspeed's entry names, for the engine's parts.
 """
 
-from shardspeed.checkpoint.deepspeed_format.engine_view import DEEPSPEED_ENTRY, engine_view, read_model_states
+from shardspeed.checkpoint.deepspeed_format.engine_view import (
+    DeepSpeedView,
+    deepspeed_raw,
+    engine_view,
+    read_model_states,
+)
 from shardspeed.checkpoint.deepspeed_format.read import (
     SUPPORTED_VERSIONS,
     DeepSpeedCheckpointReader,
@@ -16,9 +21,10 @@ from shardspeed.checkpoint.deepspeed_format.read import (
 )
 
 __all__ = [
-    "DEEPSPEED_ENTRY",
     "SUPPORTED_VERSIONS",
     "DeepSpeedCheckpointReader",
+    "DeepSpeedView",
+    "deepspeed_raw",
     "engine_view",
     "is_deepspeed_state",
     "model_states_path",

@@ -6,8 +6,8 @@ DeepSpeed and shardspeed share most entry names (`module`, `buffer_names`, `shar
 `param_shapes` (DeepSpeed: a list of {name: shape} per flat buffer, None at stage 0) becomes one {name: shape}
 in the module's order, `zero_stage` comes from the saved config, `frozen_param_names` from
 `frozen_param_shapes`, and `optimizer` is None: every value is read by name through
-`DeepSpeedCheckpointReader`, which the model part opens from the original dict kept under
-`deepspeed_checkpoint`. DeepSpeed's own bookkeeping entries (`checkpoint_parallel_dimensions`,
+`DeepSpeedCheckpointReader`, which the model part opens from the original dict (`DeepSpeedView.raw`: an
+attribute, not an entry, so that it is neither a part's entry nor the client's). DeepSpeed's own bookkeeping entries (`checkpoint_parallel_dimensions`,
 `frozen_param_fragments`, `random_ltd`, ...) are left out, so they are not handed back as client state;
 every other entry is the client's, as in DeepSpeed.
 """
@@ -24,9 +24,19 @@ from shardspeed.checkpoint.deepspeed_format.read import (
     read_file,
 )
 
-__all__ = ["DEEPSPEED_ENTRY", "engine_view", "read_model_states"]
+__all__ = ["DeepSpeedView", "deepspeed_raw", "engine_view", "read_model_states"]
 
-DEEPSPEED_ENTRY = "deepspeed_checkpoint"  # the original DeepSpeed dict, in the engine's view
+
+class DeepSpeedView(dict):
+    """A DeepSpeed model-states file under shardspeed's entries; `raw` is DeepSpeed's own dict."""
+
+    raw: dict
+
+
+def deepspeed_raw(state) -> dict | None:
+    """DeepSpeed's own model-states dict when `state` is the view of one, else None."""
+    return state.raw if isinstance(state, DeepSpeedView) else None
+
 
 # DeepSpeed's entries that are neither shardspeed's nor the client's (DeepSpeed 0.19's engine.py writes them).
 _BOOKKEEPING = (
@@ -46,7 +56,7 @@ def read_model_states(tag_dir: Path, mp_rank: int = 0) -> dict:
     return engine_view(tag_dir, state, mp_rank) if is_deepspeed_state(state) else state
 
 
-def engine_view(tag_dir: Path, raw: dict, mp_rank: int = 0) -> dict:
+def engine_view(tag_dir: Path, raw: dict, mp_rank: int = 0) -> DeepSpeedView:
     """DeepSpeed's model-states dict `raw` with shardspeed's entries (see the module's docstring)."""
     reader = DeepSpeedCheckpointReader(tag_dir, model_states=raw, mp_rank=mp_rank)
     if int(raw.get("mp_world_size") or 1) != 1:
@@ -54,7 +64,7 @@ def engine_view(tag_dir: Path, raw: dict, mp_rank: int = 0) -> dict:
             f"{model_states_path(Path(tag_dir), mp_rank)} was saved with a model-parallel degree of "
             f"{raw.get('mp_world_size')}; DeepSpeed's tensor/pipeline-parallel files are not read by this version"
         )
-    view = {k: v for k, v in raw.items() if k not in _BOOKKEEPING}
+    view = DeepSpeedView((k, v) for k, v in raw.items() if k not in _BOOKKEEPING)
     view.update(
         param_shapes=reader.param_shapes(),
         buffer_names=list(raw.get("buffer_names") or []),
@@ -64,5 +74,5 @@ def engine_view(tag_dir: Path, raw: dict, mp_rank: int = 0) -> dict:
         zero_stage=reader.zero_stage,
         dp_world_size=reader.world_size,
     )
-    view[DEEPSPEED_ENTRY] = raw
+    view.raw = raw
     return view

@@ -13,13 +13,29 @@ the pickled numbers, and the enum becomes an int. Everything else stays refused 
 file naming any other global (another DeepSpeed version's class, or a pickle that would run code) is refused
 naming that global, and nothing runs. After the load, the stand-ins are turned into plain dicts and ints
 (`plain`), so the rest of the library never sees them.
+
+Writing goes the other way (`PICKLE_MODULE`, for `torch.save(..., pickle_module=...)`): DeepSpeed's ZeRO-3 loader
+needs a loss-scaler *object* in the file, so `loss_scaler(cur_scale)` and `zero_stage(n)` are pickled under
+DeepSpeed's names. Nothing of DeepSpeed is imported to do so: the pickler writes the names itself.
 """
 
 from __future__ import annotations
 
+import pickle
+import types
+
 import torch
 
-__all__ = ["ALLOWED_GLOBALS", "FragmentAddress", "SavedLossScaler", "load", "plain"]
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "PICKLE_MODULE",
+    "FragmentAddress",
+    "SavedLossScaler",
+    "load",
+    "loss_scaler",
+    "plain",
+    "zero_stage",
+]
 
 
 class SavedLossScaler:
@@ -65,3 +81,47 @@ def load(path, *, mmap: bool = False):
     with torch.serialization.safe_globals(ALLOWED_GLOBALS):
         content = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     return plain(content)
+
+
+# -- writing ------------------------------------------------------------------------------------------------
+
+
+class _ZeroStageEnumName:
+    """Only a name to write: `ZeroStageEnum` (the pickler writes classes through `save_global`)."""
+
+
+class _ZeroStage(int):
+    """A ZeRO stage that pickles as DeepSpeed's `ZeroStageEnum(n)` (an int everywhere else)."""
+
+    def __reduce__(self):
+        return (_ZeroStageEnumName, (int(self),))
+
+
+def zero_stage(n: int) -> int:
+    return _ZeroStage(n)
+
+
+def loss_scaler(cur_scale: float = 1.0) -> SavedLossScaler:
+    """A static loss scaler as DeepSpeed 0.19 pickles it (`LossScaler` with `cur_scale` and `dynamic`)."""
+    scaler = SavedLossScaler()
+    scaler.cur_scale, scaler.dynamic = float(cur_scale), False
+    return scaler
+
+
+_WRITE_AS = {SavedLossScaler: "deepspeed.runtime.fp16.loss_scaler.LossScaler", _ZeroStageEnumName:
+             "deepspeed.runtime.zero.config.ZeroStageEnum"}  # fmt: skip
+
+
+class _Pickler(pickle._Pickler):
+    """Python's pickler, writing the stand-ins above under DeepSpeed's names (GLOBAL opcodes, no import)."""
+
+    def save_global(self, obj, name=None):
+        target = _WRITE_AS.get(obj)
+        if target is None:
+            return super().save_global(obj, name)
+        module, qualname = target.rsplit(".", 1)
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
+
+
+PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__="shardspeed_deepspeed_pickle")

@@ -10,8 +10,9 @@ it at that world size and stage, and the `zero_to_fp32.py` DeepSpeed ships conso
 from the source reader (`open_checkpoint`): the fp32 masters, the optimizer state element for element, the
 group hyper-parameters, the counters, the LR scheduler, the data sampler and the client's entries.
 
-Only plain types are pickled: DeepSpeed keeps its own loss scaler when the file has none (fp32 and bf16 runs
-have none to carry), and reads the ZeRO stage as an int. Not written: DeepSpeed's `param_slice_mappings`
+Plain types are pickled, and the two objects DeepSpeed's loaders need as objects, under DeepSpeed's names:
+a static loss scaler of scale 1 (fp32 and bf16 runs have no scale to carry) and the ZeRO stage
+(pickled.py; nothing of DeepSpeed is imported). Not written: DeepSpeed's `param_slice_mappings`
 (only its universal-checkpoint conversion reads them), an fp16 loss scale, pipeline, MoE and tensor-parallel
 files (such checkpoints are refused by name).
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from shardspeed.checkpoint import files
+from shardspeed.checkpoint.deepspeed_format import pickled
 from shardspeed.checkpoint.deepspeed_format.engine_view import read_model_states
 from shardspeed.checkpoint.deepspeed_format.layout import Zero3Layout, Zero12Layout
 from shardspeed.checkpoint.deepspeed_format.read import model_states_path, read_file
@@ -42,7 +44,7 @@ _OURS = {
     "module", "buffer_names", "param_shapes", "frozen_param_names", "shared_params", "optimizer", "zero_stage",
     "zero_partitions", "dp_world_size", "mp_world_size", "mp_rank", "tp_partitions", "lr_scheduler",
     "compression_scheduler", "data_sampler", "global_steps", "global_samples", "skipped_steps", "micro_steps",
-    "ds_config", "ds_version", "shardspeed_version", "deepspeed_checkpoint",
+    "ds_config", "ds_version", "shardspeed_version",
 }  # fmt: skip
 _NOT_WRITTEN = {"num_experts": "MoE", "moe_layout": "MoE", "pipeline": "pipeline-parallel", "tp_partitions":
                 "tensor-parallel"}  # fmt: skip
@@ -134,11 +136,11 @@ def _zero12_files(source: _Source, world: int, stage: int) -> list[dict]:
         ]
         paddings = [sizes[g] - f.numel() for g, f in enumerate(fp32)]
         osd = {
-            "dynamic_loss_scale": False, "overflow": False,
+            "loss_scaler": pickled.loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
             "clip_grad": float(source.ds_config.get("gradient_clipping", 1.0)),
             "base_optimizer_state": _optimizer_state(source, source.groups, pieces_of, sizes),
-            "single_partition_of_fp32_groups": fp32, "zero_stage": stage, "group_paddings": paddings,
-            "param_alignment_paddings": [[0] * len(g) for g in source.groups],
+            "single_partition_of_fp32_groups": fp32, "zero_stage": pickled.zero_stage(stage),
+            "group_paddings": paddings, "param_alignment_paddings": [[0] * len(g) for g in source.groups],
             "partition_count": [world] * len(source.groups), "ds_version": DEEPSPEED_VERSION,
         }  # fmt: skip
         out.append(osd)
@@ -152,7 +154,8 @@ def _zero3_files(source: _Source, world: int) -> list[dict]:
         pieces_of = functools.partial(layout.held_by, rank=rank)
         sizes = layout.buffer_numel
         osd = {
-            "zero_stage": 3, "dynamic_loss_scale": False, "overflow": False, "partition_count": world,
+            "zero_stage": pickled.zero_stage(3), "loss_scaler": pickled.loss_scaler(),
+            "dynamic_loss_scale": False, "overflow": False, "partition_count": world,
             "optimizer_state_dict": _optimizer_state(source, source.groups, pieces_of, sizes),
             "fp32_flat_groups": [_flat(source, names, pieces_of, None, sizes[s])
                                  for s, names in enumerate(source.groups)],
@@ -249,9 +252,13 @@ def write_deepspeed_checkpoint(
     if stage == 3:
         for rank in range(world):
             model = _model_states(source, world, stage, rank)
-            files.save_file(model, staging / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+            files.save_file(
+                model, staging / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", pickled.PICKLE_MODULE
+            )
     else:
-        files.save_file(_model_states(source, world, stage, 0), staging / files.model_states_name())
+        files.save_file(
+            _model_states(source, world, stage, 0), staging / files.model_states_name(), pickled.PICKLE_MODULE
+        )
     partitions = (
         []
         if stage == 0
@@ -262,7 +269,9 @@ def write_deepspeed_checkpoint(
     prefix = "bf16_" if source.dtype == torch.bfloat16 else ""
     for rank, osd in enumerate(partitions):
         outer = {"optimizer_state_dict": osd, "ds_config": source.ds_config, "ds_version": DEEPSPEED_VERSION}
-        files.save_file(outer, staging / f"{prefix}{files.zero_optim_states_name(rank)}")
+        files.save_file(
+            outer, staging / f"{prefix}{files.zero_optim_states_name(rank)}", pickled.PICKLE_MODULE
+        )
     final = out / name
     if final.exists():
         shutil.rmtree(final)
