@@ -167,3 +167,29 @@ def test_bad_deepspeed_checkpoint_is_refused_on_every_rank(tmp_path):
             for text in expected:
                 assert text in error, (kind, rank, error)
             assert unchanged, (kind, rank)
+
+
+def test_fp16_loss_scaler_maps_onto_ours(tmp_path):
+    """DeepSpeed's DynamicLossScaler attributes (as its ZeRO files pickle them) load into shardspeed's scaler.
+    (DeepSpeed 0.19.8 runs no fp16 on a CPU, so this fp16 checkpoint is a fixture edited by hand.)"""
+    from shardspeed.checkpoint.readers import open_checkpoint
+    from shardspeed.core.precision import LossScaler
+
+    scaler = {"cur_scale": 512.0, "cur_iter": 9, "last_overflow_iter": 4, "scale_factor": 2.0, "scale_window": 2,
+              "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 1, "dynamic": True}  # fmt: skip
+
+    def damage(folder: Path) -> None:
+        _rewrite(
+            folder / "mp_rank_00_model_states.pt", lambda c: c["ds_config"].update(fp16={"enabled": True})
+        )
+        for rank in (0, 1):
+            _rewrite(
+                folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                lambda c: c["optimizer_state_dict"].update(loss_scaler=dict(scaler)),
+            )
+
+    reader = open_checkpoint(_damaged(tmp_path, "s2-fp32", damage))
+    ours = LossScaler(init_scale=1.0, dynamic=True)
+    ours.load_state_dict(reader.loss_scaler())
+    assert (ours.cur_scale, ours.cur_iter, ours.last_overflow_iter, ours.cur_hysteresis) == (512.0, 9, 4, 1)
+    assert open_checkpoint(FIXTURES / "s2-fp32").loss_scaler() is None  # fp32: no scale to carry

@@ -180,9 +180,10 @@ class DeepSpeedCheckpointReader:
             self._stage0_states[name] = state
             if flat_masters is not None:
                 self._stage0_values[name] = flat_masters[k]
+        name_of = dict(zip(indices, names))
         for gi, group in enumerate(inner["param_groups"]):
             for index in group["params"]:
-                self._group_of[names[indices.index(index)]] = gi
+                self._group_of[name_of[index]] = gi
         self._groups = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
         self._scaler = _scaler_of(saved)
 
@@ -355,9 +356,19 @@ class DeepSpeedCheckpointReader:
         return copy.deepcopy(self._groups)
 
     def loss_scaler(self) -> dict | None:
-        """DeepSpeed's fp16 loss-scaler state (its attribute names), or None without fp16 loss scaling."""
+        """The fp16 loss scaler's state in shardspeed's keys (core/precision.py, which DeepSpeed's
+        `DynamicLossScaler` attributes share; a static scaler has only its scale), or None without fp16."""
         fp16 = (self._raw.get("ds_config") or {}).get("fp16") or {}
-        return dict(self._scaler) if self._scaler and fp16.get("enabled") is True else None
+        if not self._scaler or fp16.get("enabled") is not True:
+            return None
+        saved = self._scaler
+        return {
+            "cur_scale": saved["cur_scale"],
+            "cur_iter": saved.get("cur_iter", 0),
+            "last_overflow_iter": saved.get("last_overflow_iter", -1),
+            "cur_hysteresis": saved.get("cur_hysteresis", saved.get("delayed_shift", 1)),
+            "dynamic": saved.get("dynamic", saved.get("dynamic_loss_scale", False)),
+        }
 
     # -- values ---------------------------------------------------------------------------------------------
 
