@@ -74,11 +74,14 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def save_file(obj, path: Path) -> None:
+def save_file(obj, path: Path, pickle_module=None) -> None:
     """torch.save through a temporary name, fsynced, so `path` is either complete or absent."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        if pickle_module is None:
+            torch.save(obj, f)
+        else:  # DeepSpeed's layout (deepspeed_format/pickled.py)
+            torch.save(obj, f, pickle_module=pickle_module)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

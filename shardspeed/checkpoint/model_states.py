@@ -27,6 +27,7 @@ import torch
 
 from shardspeed.checkpoint import files, verify
 from shardspeed.checkpoint import tensor_parallel as tp_files
+from shardspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointReader, deepspeed_raw
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.parts import LoadContext, LoadOptions, Part, Placement, SaveOptions
 from shardspeed.utils.logging import log_dist
@@ -124,6 +125,10 @@ class ModelStates(Part):
     # -- checks (every rank, before anything is loaded) ---------------------------------------------------------
 
     def check(self, path: Path, state: dict, options: LoadOptions) -> None:
+        if deepspeed_raw(state) is not None:
+            self._check_names_and_shapes(state, options.strict, path)
+            self._check_deepspeed(path, state)
+            return
         saved_stage = state.get("zero_stage")
         reshard = saved_stage in (0, 1, 2, 3) and self.needs_reshard(state, path)
         partitions_needed = saved_stage == 3 or options.optimizer or reshard
@@ -131,6 +136,19 @@ class ModelStates(Part):
             raise CheckpointError(f"{path / files.model_states_name()} is not a shardspeed model-states file")
         self._check_names_and_shapes(state, options.strict, path)
         verify.check_consistent(self.placement, path, state, partitions_needed)
+
+    def _check_deepspeed(self, path: Path, state: dict) -> None:
+        """A DeepSpeed checkpoint: every partition file exists (the reader checks), and this rank reads and
+        checks those `r` with `r % world == dp_rank` against the layout."""
+        reader = self._deepspeed_reader(path, state)
+        if reader.zero_stage > 0:
+            for rank in range(self.placement.dp_rank, reader.world_size, self.placement.dp_world_size):
+                reader.check_rank_file(rank)
+
+    def _deepspeed_reader(self, path: Path, state: dict) -> DeepSpeedCheckpointReader:
+        return DeepSpeedCheckpointReader(
+            path, model_states=deepspeed_raw(state), mp_rank=self.placement.mp_rank
+        )
 
     def _check_names_and_shapes(self, state: dict, strict: bool, path: Path) -> None:
         """The checkpoint's parameters against the model's, from the recorded shapes (nothing loaded yet)."""
@@ -160,6 +178,8 @@ class ModelStates(Part):
     def needs_reshard(self, state: dict, path: Path) -> bool:
         """True when the checkpoint's partitioning differs from this engine's: another data-parallel world
         size, ZeRO stage, tensor degree, or (stages 1-3) bucket layout, e.g. after changing reduce_bucket_size."""
+        if deepspeed_raw(state) is not None:  # DeepSpeed's layout: always assembled by name
+            return True
         saved_stage, stage = state.get("zero_stage", 0), self.zero_stage
         if self.optimizer is None:  # nothing partitioned here: only stage-3 parameters need assembling
             return saved_stage == 3 or stage == 3
@@ -203,7 +223,9 @@ class ModelStates(Part):
         """Load a checkpoint of any stage and world size: every rank assembles its own shards by name."""
         from shardspeed.checkpoint.universal import CheckpointReader
 
-        if tp_files.needs_tp_reshard(state, self.tp):  # another tensor degree: merge and re-split by name
+        if deepspeed_raw(state) is not None:
+            reader = self._deepspeed_reader(path, state)
+        elif tp_files.needs_tp_reshard(state, self.tp):  # another tensor degree: merge and re-split by name
             reader = tp_files.TensorParallelReader(path, state, self.tp)
         else:
             reader = CheckpointReader(path, model_states=state, mp_rank=state.get("mp_rank", 0))

@@ -69,5 +69,6 @@ class RngStates(Part):
             set_rng_state(files.load_file(rng_file))
         elif self.after_relayout:
             log_dist(
-                f"{rng_file.name} not in checkpoint (saved at another world size): RNG streams not restored"
+                f"{rng_file.name} not in checkpoint (saved at another world size, or by DeepSpeed, which saves "
+                "no RNG states): RNG streams not restored"
             )

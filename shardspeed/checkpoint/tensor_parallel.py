@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from shardspeed.checkpoint.parts import Part, SaveOptions
+from shardspeed.checkpoint.readers import open_checkpoint
 from shardspeed.checkpoint.universal import CheckpointReader
 from shardspeed.module_inject.layers import TPPartition, gather_shards, shard_tensor
 
@@ -36,8 +37,8 @@ __all__ = [
 
 def open_reader(checkpoint_dir, tag=None):
     """A reader of whole parameters: `CheckpointReader`, or a merging one for a tensor-parallel checkpoint."""
-    reader = CheckpointReader(checkpoint_dir, tag)
-    if int(reader._model.get("mp_world_size", 1)) > 1:
+    reader = open_checkpoint(checkpoint_dir, tag)  # ours or DeepSpeed's
+    if isinstance(reader, CheckpointReader) and int(reader._model.get("mp_world_size", 1)) > 1:
         return TensorParallelReader(reader.path, reader._model, None)
     return reader
 

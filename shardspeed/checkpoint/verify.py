@@ -23,6 +23,7 @@ from pathlib import Path
 
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint.agree import agree
+from shardspeed.checkpoint.deepspeed_format import read_model_states
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.comm.collectives import all_gather_strings
 from shardspeed.utils.logging import logger
@@ -93,9 +94,8 @@ def _find(load_dir: Path, tag, mp_rank: int = 0) -> tuple[Path, dict] | None:
         logger.warning(
             f"loading {path}: the previous copy of tag {tag!r}, as a re-save of it was interrupted"
         )
-    # this tensor rank's file; a checkpoint of a lower tensor degree has only the first (merged on load)
-    own = path / files.model_states_name(mp_rank)
-    return path, files.read_checkpoint(own if own.is_file() else path / files.model_states_name())
+    # this tensor rank's file (DeepSpeed's are seen through shardspeed's entries: deepspeed_format)
+    return path, read_model_states(path, mp_rank)
 
 
 def _indices(path: Path, pattern: re.Pattern) -> list[int]:

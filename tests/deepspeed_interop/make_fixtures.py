@@ -1,0 +1,42 @@
+"""Regenerate the DeepSpeed-written fixture checkpoints under fixtures/ with the real DeepSpeed 0.19.8.
+
+    DS_ACCELERATOR=cpu <python with deepspeed==0.19.8 and torch==2.13.0> tests/deepspeed_interop/make_fixtures.py
+
+For each ZeRO stage 0-3 in fp32 and bf16, DeepSpeed runs run_script.py at 2 ranks: 3 steps, a save, 3 more
+steps. The tag folder it saved is copied to `fixtures/<stage>-<dtype>/global_step3/` (with `latest`; the
+zero_to_fp32.py DeepSpeed copies next to it is left out: it is DeepSpeed's), and what its uninterrupted run
+recorded after the save (losses, final fp32 weights, counters) to `fixtures/<stage>-<dtype>/expected.pt`.
+tests/test_deepspeed_checkpoint_read.py resumes from each and compares. (fp16 is not in the set: DeepSpeed
+0.19.8 refuses fp16 on a CPU, "Type fp16 is not supported on your device".)
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CASES = [(stage, dtype) for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
+
+
+def main() -> None:
+    out = HERE / "fixtures"
+    for stage, dtype in CASES:
+        name = f"s{stage}-{dtype}"
+        with tempfile.TemporaryDirectory() as tmp:
+            run = [sys.executable, str(HERE / "run_script.py"), "--world", "2", "--stage", str(stage),
+                   "--dtype", dtype, "--save", f"{tmp}/ckpt", "--out", f"{tmp}/expected.pt"]  # fmt: skip
+            subprocess.run(run, check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+            target = out / name
+            shutil.rmtree(target, ignore_errors=True)
+            tag = (Path(tmp) / "ckpt" / "latest").read_text().strip()
+            shutil.copytree(Path(tmp) / "ckpt" / tag, target / tag)
+            (target / "latest").write_text(tag)
+            shutil.copy(f"{tmp}/expected.pt", target / "expected.pt")
+        print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()
