@@ -27,7 +27,7 @@ LAYERS = [
     ["comm", "module_inject", "monitor", "ops", "optimizers"],  # process groups; TP layers; kernels
     ["core"],  # the training parts every feature builds on
     ["checkpoint", "checkpointing"],  # checkpoint files and layouts; activation checkpointing
-    ["zero", "moe", "pipe", "sequence", "compression", "profiling"],  # one package per feature
+    ["zero", "moe", "pipe", "sequence", "compression", "profiling", "fairscale"],  # one package per feature
     ["runtime", "inference"],  # the engines that compose the features
     ["api", "mii", "launcher", "tools", "compat"],  # entry points; DeepSpeed's paths
 ]
