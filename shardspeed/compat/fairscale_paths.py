@@ -21,6 +21,8 @@ FAIRSCALE_VERSION = "0.4.13"  # the release whose API the table follows
 
 _OSS = "shardspeed.fairscale.oss:OSS"
 _SDP = "shardspeed.fairscale.sharded_ddp:ShardedDataParallel"
+_FSDP = "shardspeed.fairscale.fsdp:FullyShardedDataParallel"
+_WRAP = "shardspeed.fairscale.wrap"
 _KERNEL = "it is a compiled CUDA kernel; shardspeed compiles nothing (use torch.optim's own implementation)"
 _INTERNAL = "FairScale's internal and test helpers are not part of its user API"
 
@@ -36,6 +38,21 @@ FAIRSCALE_PATHS: dict[str, object] = {
     "nn.ShardedDataParallel": _SDP,
     "nn.data_parallel.ShardedDataParallel": _SDP,
     "nn.data_parallel.sharded_ddp.ShardedDataParallel": _SDP,
+    "nn.FullyShardedDataParallel": _FSDP,
+    "nn.data_parallel.FullyShardedDataParallel": _FSDP,
+    "nn.data_parallel.fully_sharded_data_parallel.FullyShardedDataParallel": _FSDP,
+    # -- nested wrapping (`fairscale.nn.wrap` is the function there, and the module when imported) -----------
+    **{
+        f"{where}.{name}": f"{_WRAP}:{name}"
+        for where in ("nn", "nn.wrap", "nn.wrap.auto_wrap")
+        for name in (
+            "auto_wrap",
+            "config_auto_wrap_policy",
+            "default_auto_wrap_policy",
+            "enable_wrap",
+            "wrap",
+        )
+    },
     # -- FairScale parts with no counterpart here ----------------------------------------------------------
     "nn.MOELayer": NotOffered(
         "FairScale's MoE layer has its own gate and all-to-all; use shardspeed.moe.layer.MoE (DeepSpeed's)"

@@ -7,6 +7,7 @@ on the whole batches reaches (fp32, 1e-5). Prints "parity ok" on rank 0 when eve
 import fairscale
 import torch
 import torch.distributed as dist
+from fairscale.nn import FullyShardedDataParallel, auto_wrap, enable_wrap
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim.oss import OSS
 from torch import nn
@@ -58,6 +59,22 @@ def main():
         nn.functional.mse_loss(ddp(x), y).backward()
         optimizer.step()
     check("OSS + ShardedDataParallel", net.state_dict(), reference(torch.optim.SGD, lr=0.1, momentum=0.9))
+
+    # FullyShardedDataParallel, nested with auto_wrap, any optimizer
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+        wrapped = FullyShardedDataParallel(
+            auto_wrap(model(), auto_wrap_policy=lambda **kw: not kw["recurse"])
+        )
+    optimizer = torch.optim.Adam(wrapped.parameters(), lr=0.01)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = batch(step, rank, world)
+        nn.functional.mse_loss(wrapped(x), y).backward()
+        optimizer.step()
+    with wrapped.summon_full_params():
+        names = [name for name, _ in wrapped.named_parameters()]
+    assert names == [name for name, _ in model().named_parameters()], names
+    check("FullyShardedDataParallel", wrapped.state_dict(), reference(torch.optim.Adam, lr=0.01))
 
     if rank == 0:
         print("parity ok")
