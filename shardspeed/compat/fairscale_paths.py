@@ -23,6 +23,13 @@ _OSS = "shardspeed.fairscale.oss:OSS"
 _SDP = "shardspeed.fairscale.sharded_ddp:ShardedDataParallel"
 _FSDP = "shardspeed.fairscale.fsdp:FullyShardedDataParallel"
 _WRAP = "shardspeed.fairscale.wrap"
+_CKPT = "shardspeed.fairscale.checkpoint_wrapper"
+_OFFLOAD = "shardspeed.fairscale.offload_model:OffloadModel"
+_PIPE = "shardspeed.fairscale.pipe:Pipe"
+_ADASCALE = (
+    "AdaScale is not built: its learning-rate gain needs each rank's gradient statistics before averaging, "
+    "which shardspeed does not collect; scale the learning rate with an LR schedule instead"
+)
 _KERNEL = "it is a compiled CUDA kernel; shardspeed compiles nothing (use torch.optim's own implementation)"
 _INTERNAL = "FairScale's internal and test helpers are not part of its user API"
 
@@ -53,6 +60,22 @@ FAIRSCALE_PATHS: dict[str, object] = {
             "wrap",
         )
     },
+    # -- activation checkpointing, parameter offload, pipeline ----------------------------------------------
+    **{
+        f"{where}.{name}": f"{_CKPT}:{name}"
+        for where in ("nn.checkpoint", "nn.checkpoint.checkpoint_activations")
+        for name in ("checkpoint_wrapper", "is_checkpointing", "is_recomputing")
+    },
+    "nn.checkpoint_wrapper": f"{_CKPT}:checkpoint_wrapper",
+    "nn.misc.checkpoint_wrapper": f"{_CKPT}:checkpoint_wrapper",
+    "experimental.nn.offload.OffloadModel": _OFFLOAD,
+    "nn.Pipe": _PIPE,
+    "nn.pipe.Pipe": _PIPE,
+    "nn.pipe.pipe.Pipe": _PIPE,
+    "optim.AdaScale": NotOffered(_ADASCALE),
+    "optim.adascale.AdaScale": NotOffered(_ADASCALE),
+    "optim.AdaScaleWrapper": NotOffered(_ADASCALE),
+    "optim.adascale.AdaScaleWrapper": NotOffered(_ADASCALE),
     # -- FairScale parts with no counterpart here ----------------------------------------------------------
     "nn.MOELayer": NotOffered(
         "FairScale's MoE layer has its own gate and all-to-all; use shardspeed.moe.layer.MoE (DeepSpeed's)"

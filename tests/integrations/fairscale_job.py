@@ -7,6 +7,7 @@ on the whole batches reaches (fp32, 1e-5). Prints "parity ok" on rank 0 when eve
 import fairscale
 import torch
 import torch.distributed as dist
+from fairscale.experimental.nn.offload import OffloadModel
 from fairscale.nn import FullyShardedDataParallel, auto_wrap, enable_wrap
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim.oss import OSS
@@ -75,6 +76,22 @@ def main():
         names = [name for name, _ in wrapped.named_parameters()]
     assert names == [name for name, _ in model().named_parameters()], names
     check("FullyShardedDataParallel", wrapped.state_dict(), reference(torch.optim.Adam, lr=0.01))
+
+    # OffloadModel trained under autocast (each rank on its own; the device is the CPU here)
+    def offload_run(net):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(net(x).float(), y)
+            loss.backward()
+            optimizer.step()
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    offloaded = OffloadModel(model=model(), device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                             num_slices=3, checkpoint_activation=True, num_microbatches=1)  # fmt: skip
+    assert (offload_run(offloaded) - offload_run(model())).abs().max().item() < 1e-6
 
     if rank == 0:
         print("parity ok")
