@@ -123,6 +123,7 @@ def render(results: dict) -> str:
         f"timed steps per job; {meta['rounds']} interleaved rounds. FairScale {meta['fairscale']} vs shardspeed "
         f"through the `fairscale` alias, the same script. Machine: {meta['machine']}. Run: {meta['date']}.",
         "",
+        *([meta["note"], ""] if meta.get("note") else []),
         "| round | FairScale step (ms) | shardspeed step (ms) | ratio | FairScale peak RSS (MB) | shardspeed "
         "peak RSS (MB) | FairScale training growth (MB) | shardspeed training growth (MB) |",
         "|---|---|---|---|---|---|---|---|",
@@ -158,6 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores (shared), {platform.platform()}")
+    parser.add_argument("--note", default="", help="what else ran on the machine, for the record")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
         "meta": {"width": args.width, "layers": args.layers, "batch": args.batch, "steps": args.steps,
                  "warmup": args.warmup, "rounds": args.rounds, "machine": args.machine, "fairscale": version,
                  "params": args.layers * (args.width * args.width + args.width),
-                 "date": datetime.date.today().isoformat()},
+                 "date": datetime.date.today().isoformat(), "note": args.note},
         "rounds": rounds,
         "summary": {"step_ratio": ratio("step_s"), "peak_ratio": ratio("peak_rss_mb"),
                     "growth_ratio": ratio("training_growth_mb")},
