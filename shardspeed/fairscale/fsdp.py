@@ -99,10 +99,9 @@ class FullyShardedDataParallel(nn.Module):
         self._local_state = False
         self._shards: list[ShardedParam] = []
         self._build_shards()
-        if mixed_precision:
-            for buffer in module.buffers():
-                if buffer.is_floating_point():
-                    buffer.data = buffer.data.to(self.buffer_dtype)
+        for buffer in module.buffers():  # buffers are not sharded: they live where the compute runs
+            dtype = self.buffer_dtype if mixed_precision and buffer.is_floating_point() else buffer.dtype
+            buffer.data = buffer.data.to(self.compute_device, dtype)
 
     # -- construction --------------------------------------------------------------------------------------
 
