@@ -53,6 +53,8 @@ FILES = [
     ("tests/nn/data_parallel/test_sharded_ddp_pytorch_parity.py", "ShardedDDP + OSS against DDP"),
     ("tests/nn/wrap/test_wrap.py", "enable_wrap / wrap / auto_wrap and the policies"),
     ("tests/nn/checkpoint/test_checkpoint_activations.py", "checkpoint_wrapper"),
+    ("tests/nn/checkpoint/test_checkpoint_activations_norm.py", "checkpoint_wrapper around batch norm"),
+    ("tests/optim/test_single_node_adascale.py", "AdaScale (refused here: shows what that costs)"),
     ("tests/nn/data_parallel/test_fsdp_summon_full_params.py", "FSDP summon_full_params"),
     ("tests/nn/data_parallel/test_fsdp_state_dict.py", "FSDP state_dict / local_state_dict"),
     ("tests/nn/data_parallel/test_fsdp_grad_acc.py", "FSDP no_sync and accumulation"),
@@ -65,12 +67,13 @@ FILES = [
 SITECUSTOMIZE = """
 import importlib.abc, importlib.machinery, importlib.util, os, sys
 _SOURCE = {source!r}
+_STAGED = {staged!r}
 _HELPERS = {helpers!r}
 
 class _HelperFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "fairscale":  # the alias: once it has put its finder first, put this one before it
-            spec = importlib.machinery.PathFinder.find_spec(name)
+            spec = importlib.machinery.PathFinder.find_spec(name, [_STAGED])
             inner, finder = spec.loader, self
             class _Loader(importlib.abc.Loader):
                 def create_module(self, spec):
@@ -101,7 +104,8 @@ def stage_shardspeed_side(folder: Path, source: Path) -> Path:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fairscale\nVersion: 0.4.13+shardspeed\n")
     (info / "top_level.txt").write_text("fairscale\n")
-    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE.format(source=str(source), helpers=HELPERS))
+    text = SITECUSTOMIZE.format(source=str(source), staged=str(folder), helpers=HELPERS)
+    (folder / "sitecustomize.py").write_text(text)
     return folder
 
 
@@ -116,8 +120,10 @@ def run_file(python: str, source: Path, name: str, env: dict, timeout: float, lo
     log_path = log_dir / (name.replace("/", "__") + ".log")
     junit_path = log_path.with_suffix(".xml")
     junit_path.unlink(missing_ok=True)
-    command = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rfEs", "--tb=short",
-               f"--junitxml={junit_path}", name]  # fmt: skip
+    # -P and importlib mode: neither the working directory nor the test folder's root goes on sys.path, so
+    # FairScale's source tree (the working directory) is not importable as `fairscale` on either side
+    command = [python, "-P", "-m", "pytest", "--import-mode=importlib", "-p", "no:cacheprovider", "-rfEs",
+               "--tb=short", f"--junitxml={junit_path}", name]  # fmt: skip
     started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=source, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -204,6 +210,20 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_interpreter(side: str, python: str, env: dict, source: Path) -> str:
+    """Where `import fairscale` leads from the test folder: the alias on the shardspeed side, the installed
+    FairScale on the other (never FairScale's source tree)."""
+    code = "import fairscale; print(fairscale.__file__)"
+    out = subprocess.run([python, "-P", "-c", code], env=env, cwd=source, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    where = out.stdout.strip()
+    alias = "shardspeed-fairscale-alias" in Path(where).read_text(errors="replace") if where else False
+    inside_source = bool(where) and Path(where).resolve().is_relative_to(source.resolve())
+    if out.returncode != 0 or alias != (side == "shardspeed") or inside_source:
+        raise SystemExit(f"{side}: `import fairscale` gives {where or out.stderr[-2000:]}")
+    return where
+
+
 def _version(python: str, module: str, env: dict) -> str:
     code = f"import importlib.metadata as m; print(m.version({module!r}))"
     out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -249,6 +269,7 @@ def main(argv=None) -> int:
             python = args.fairscale_python if side == "fairscale" else args.shardspeed_python
             env = side_environment(side, staged)
             (args.logs / side).mkdir(parents=True, exist_ok=True)
+            meta[f"{side}_imports_from"] = check_interpreter(side, python, env, args.source)
             meta[f"{side}_version"] = _version(python, side, env)
             meta[f"{side}_torch"] = _version(python, "torch", env)
             for name in names:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspeed.comm.collectives import all_reduce
-from shardspeed.fairscale.fsdp_shard import ShardedParam, ShardState
+from shardspeed.fairscale.fsdp_shard import ShardedParam, ShardState, rank_and_size
 from shardspeed.fairscale.fsdp_views import FlatHolder, clean_name, owned_registrations
 
 __all__ = ["FullyShardedDataParallel"]
@@ -71,10 +71,7 @@ class FullyShardedDataParallel(nn.Module):
             if value != expected and not (name == "process_group_reduce_scatter" and value is None):
                 raise ValueError(f"FullyShardedDataParallel({name}={value!r}) is not offered: {why}")
         self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.world_size, self.rank = (
-            dist.get_world_size(self.process_group),
-            dist.get_rank(self.process_group),
-        )
+        self.rank, self.world_size = rank_and_size(self.process_group)
         self.reshard_after_forward = reshard_after_forward
         self.disable_reshard_on_root = disable_reshard_on_root
         self.mixed_precision = mixed_precision
@@ -223,10 +220,12 @@ class FullyShardedDataParallel(nn.Module):
             else:
                 local += grad.detach().float().abs().pow(norm_type).sum().cpu()
         if norm_type == math.inf:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            if self.world_size > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
             total = local
         else:
-            all_reduce(local, group=self.process_group)
+            if self.world_size > 1:
+                all_reduce(local, group=self.process_group)
             total = local ** (1.0 / norm_type)
         coefficient = max_norm / (total + 1e-6)
         if coefficient < 1:

@@ -27,7 +27,15 @@ from torch import nn
 
 from shardspeed.comm.collectives import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["ShardState", "ShardedParam"]
+__all__ = ["ShardState", "ShardedParam", "rank_and_size"]
+
+
+def rank_and_size(group) -> tuple[int, int]:
+    """This rank and the group's size, asked of the group itself where it can answer (a ProcessGroup, or a
+    stand-in such as FairScale's tests' DummyProcessGroup: a group of one needs no process group at all)."""
+    if hasattr(group, "rank") and hasattr(group, "size"):
+        return group.rank(), group.size()
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class ShardState(enum.Enum):
@@ -42,7 +50,7 @@ class ShardedParam:
                  host_device: torch.device, reduce_dtype: torch.dtype, predivide: float):  # fmt: skip
         self.param = param
         self.group = group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.rank, self.world = rank_and_size(group)
         self.shape = param.shape
         self.numel = param.numel()
         self.shard_numel = -(-self.numel // self.world)

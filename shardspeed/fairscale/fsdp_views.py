@@ -55,6 +55,18 @@ class FlatHolder(nn.Module):
     def forward(self, *args, **kwargs):
         return self._fpw_module(*args, **kwargs)
 
+    def __getattr__(self, name: str):
+        """The user's module's attributes and children, through the holder (FairScale's wrapper does it)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_fpw_module":
+                raise
+            return getattr(self._fpw_module, name)
+
+    def __getitem__(self, key):
+        return self._fpw_module[key]
+
     def flatten(self, registrations, unique: list[nn.Parameter]) -> nn.Parameter:
         """Pack `unique` into the flat parameter and unregister them from their modules."""
         index = {id(p): i for i, p in enumerate(unique)}
