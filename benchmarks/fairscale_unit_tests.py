@@ -243,6 +243,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--logs", type=Path, default=Path(tempfile.gettempdir()) / "fairscale_unit_tests_logs"
     )
     parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores, {platform.platform()}")
+    parser.add_argument("--merge", type=Path, help="take the other side's results from this JSON (a run of "
+                        "one side with another --out, e.g. started at the same time), write the tables, run nothing")  # fmt: skip
     args = parser.parse_args(argv)
     if not (args.source / "fairscale" / "fair_dev" / "testing" / "testing.py").is_file():
         parser.error(f"--source {args.source}: not FairScale's repository")
@@ -254,9 +256,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def merge(json_path: Path, other_path: Path) -> dict:
+    """This results file with every side it lacks taken from `other_path` (same files, same commit)."""
+    results, other = json.loads(json_path.read_text()), json.loads(other_path.read_text())
+    for name, entry in other["files"].items():
+        for side, row in entry.items():
+            results["files"].setdefault(name, {}).setdefault(side, row)
+    for key, value in other.get("meta", {}).items():
+        results["meta"].setdefault(key, value)
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     json_path = args.out / "fairscale_unit_tests.json"
+    if args.merge is not None:
+        results = merge(json_path, args.merge)
+        json_path.write_text(json.dumps(results, indent=1))
+        (args.out / "fairscale_unit_tests.md").write_text(render_markdown(results))
+        return 0
     results = json.loads(json_path.read_text()) if json_path.exists() else {"files": {}}
     results["files"] = {name: results["files"].get(name, {}) for name, _ in FILES}
     names = args.files or [name for name, _ in FILES]
