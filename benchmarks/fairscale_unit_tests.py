@@ -109,10 +109,20 @@ def stage_shardspeed_side(folder: Path, source: Path) -> Path:
     return folder
 
 
-def side_environment(side: str, staged: Path) -> dict[str, str]:
+def stage_tests_root(folder: Path, source: Path) -> Path:
+    """A folder holding only FairScale's `tests` package: the rank processes their tests spawn import the
+    test module by name from it, and FairScale's source (next to `tests`) stays off sys.path."""
+    folder.mkdir(parents=True)
+    (folder / "tests").symlink_to(source / "tests", target_is_directory=True)
+    return folder
+
+
+def side_environment(side: str, staged: Path, tests_root: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "SHARDSPEED_"))}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", COLUMNS="400", PYTHONDONTWRITEBYTECODE="1")
-    env["PYTHONPATH"] = f"{staged}{os.pathsep}{ROOT}" if side == "shardspeed" else ""
+    # FairScale's `tests` before this repository's own `tests` package
+    paths = [staged, tests_root, ROOT] if side == "shardspeed" else [tests_root]
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
     return env
 
 
@@ -280,12 +290,13 @@ def main(argv=None) -> int:
     names = args.files or [name for name, _ in FILES]
     with tempfile.TemporaryDirectory(prefix="fs-conformance-") as tmp:
         staged = stage_shardspeed_side(Path(tmp) / "site", args.source.resolve())
+        tests_root = stage_tests_root(Path(tmp) / "tests_root", args.source.resolve())
         meta = results.setdefault("meta", {})
         meta.update(source_commit=SOURCE_COMMIT, machine=args.machine, date=datetime.date.today().isoformat(),
                     file_timeout_s=args.file_timeout)  # fmt: skip
         for side in [args.only] if args.only else SIDES:
             python = args.fairscale_python if side == "fairscale" else args.shardspeed_python
-            env = side_environment(side, staged)
+            env = side_environment(side, staged, tests_root)
             (args.logs / side).mkdir(parents=True, exist_ok=True)
             meta[f"{side}_imports_from"] = check_interpreter(side, python, env, args.source)
             meta[f"{side}_version"] = _version(python, side, env)
