@@ -100,6 +100,17 @@ def test_checkpoint_wrapper_gives_the_plain_gradients(offload_to_cpu):
     assert wrapped.phases == [(True, False), (False, True)]  # forward, then recomputation in backward
 
 
+def test_checkpoint_wrapper_updates_batch_norm_statistics_once():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(8, 4)
+    for a, b in zip(_grads(plain, x), _grads(wrapped, x)):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert torch.equal(plain[1].running_mean, wrapped[1].running_mean)
+    assert plain[1].num_batches_tracked == wrapped[1].num_batches_tracked == 1
+
+
 def test_pipe_matches_the_sequential_model():
     model = _layers()
     x = torch.randn(8, 8)

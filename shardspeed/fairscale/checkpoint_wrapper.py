@@ -7,7 +7,8 @@ It runs the module's forward through shardspeed's activation checkpointing
 model-parallel RNG streams restored for the recomputation), so keyword arguments, non-tensor outputs and
 inputs that do not require grad all work. `offload_to_cpu` keeps the saved inputs in host memory
 (torch.autograd.graph.save_on_cpu) until the recomputation needs them. `is_checkpointing()` and
-`is_recomputing()` tell code inside the forward which pass it is in, as FairScale's do. Without grad (eval,
+`is_recomputing()` tell code inside the forward which pass it is in, as FairScale's do. Batch norms update
+their running statistics in the forward only, not again in the recomputation. Without grad (eval,
 `torch.no_grad`) the forward runs as is.
 """
 
@@ -47,6 +48,23 @@ def _in_phase(name: str):
         setattr(_phase, name, old)
 
 
+@contextlib.contextmanager
+def _running_stats_frozen(module: nn.Module):
+    """During the recomputation, batch norms compute exactly as in the forward, and their running statistics
+    are put back afterwards, so they count each batch once (FairScale's checkpoint_wrapper does the same)."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    buffers = [
+        b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None
+    ]
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
+
+
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
     """`module` itself, its forward checkpointed (FairScale's signature; the original forward is kept as
     `module.precheckpoint_forward`)."""
@@ -61,8 +79,10 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
 
         def run(*inner_args, **inner_kwargs):
             calls["count"] += 1
-            phase = "checkpointing" if calls["count"] == 1 else "recomputing"
-            with _in_phase(phase):
+            if calls["count"] == 1:
+                with _in_phase("checkpointing"):
+                    return original(*inner_args, **inner_kwargs)
+            with _in_phase("recomputing"), _running_stats_frozen(module):
                 return original(*inner_args, **inner_kwargs)
 
         storage = (
