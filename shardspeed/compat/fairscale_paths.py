@@ -26,6 +26,14 @@ _WRAP = "shardspeed.fairscale.wrap"
 _CKPT = "shardspeed.fairscale.checkpoint_wrapper"
 _OFFLOAD = "shardspeed.fairscale.offload_model:OffloadModel"
 _PIPE = "shardspeed.fairscale.pipe:Pipe"
+_FLATTEN = (
+    "FlattenParamsWrapper on its own is not offered; FullyShardedDataParallel(flatten_parameters=True) flattens "
+    "the parameters it shards"
+)
+_SCALER = (
+    "FairScale's gradient scalers are not built: under ShardedDataParallel the gradients are shards that a "
+    "GradScaler walking param.grad cannot see; train in bf16, or in fp32"
+)
 _ADASCALE = (
     "AdaScale is not built: its learning-rate gain needs each rank's gradient statistics before averaging, "
     "which shardspeed does not collect; scale the learning rate with an LR schedule instead"
@@ -64,11 +72,14 @@ FAIRSCALE_PATHS: dict[str, object] = {
     **{
         f"{where}.{name}": f"{_CKPT}:{name}"
         for where in ("nn.checkpoint", "nn.checkpoint.checkpoint_activations")
-        for name in ("checkpoint_wrapper", "is_checkpointing", "is_recomputing")
+        for name in ("checkpoint_wrapper", "disable_checkpointing", "is_checkpointing", "is_recomputing")
     },
     "nn.checkpoint_wrapper": f"{_CKPT}:checkpoint_wrapper",
     "nn.misc.checkpoint_wrapper": f"{_CKPT}:checkpoint_wrapper",
     "experimental.nn.offload.OffloadModel": _OFFLOAD,
+    "nn.FlattenParamsWrapper": NotOffered(_FLATTEN),
+    "nn.misc.FlattenParamsWrapper": NotOffered(_FLATTEN),
+    "nn.misc.flatten_params_wrapper.FlattenParamsWrapper": NotOffered(_FLATTEN),
     "nn.Pipe": _PIPE,
     "nn.pipe.Pipe": _PIPE,
     "nn.pipe.pipe.Pipe": _PIPE,
@@ -76,6 +87,9 @@ FAIRSCALE_PATHS: dict[str, object] = {
     "optim.adascale.AdaScale": NotOffered(_ADASCALE),
     "optim.AdaScaleWrapper": NotOffered(_ADASCALE),
     "optim.adascale.AdaScaleWrapper": NotOffered(_ADASCALE),
+    "optim.GradScaler": NotOffered(_SCALER),
+    "optim.grad_scaler.GradScaler": NotOffered(_SCALER),
+    "optim.grad_scaler.ShardedGradScaler": NotOffered(_SCALER),
     # -- FairScale parts with no counterpart here ----------------------------------------------------------
     "nn.MOELayer": NotOffered(
         "FairScale's MoE layer has its own gate and all-to-all; use shardspeed.moe.layer.MoE (DeepSpeed's)"

@@ -23,9 +23,20 @@ from torch import nn
 
 from shardspeed.checkpointing import non_reentrant_checkpoint
 
-__all__ = ["checkpoint_wrapper", "is_checkpointing", "is_recomputing"]
+__all__ = ["checkpoint_wrapper", "disable_checkpointing", "is_checkpointing", "is_recomputing"]
 
 _phase = threading.local()  # .checkpointing / .recomputing while a wrapped forward runs
+
+
+@contextlib.contextmanager
+def disable_checkpointing():
+    """Inside this context wrapped modules run their forward as is (keeping their activations)."""
+    old = getattr(_phase, "disabled", False)
+    _phase.disabled = True
+    try:
+        yield
+    finally:
+        _phase.disabled = old
 
 
 def is_checkpointing() -> bool:
@@ -73,7 +84,7 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or getattr(_phase, "disabled", False):
             return original(*args, **kwargs)
         calls = {"count": 0}
 

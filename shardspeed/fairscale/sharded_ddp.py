@@ -65,6 +65,10 @@ class ShardedDataParallel(nn.Module):
         self._end_queued = False
         self._callback_hooks: list = []
         self._trainable = self._trainable_ids()
+        devices = {p.device for p in module.parameters()}
+        # torch DDP's attributes, which code written for DDP reads (FairScale keeps them too)
+        self.is_multi_device_module = len(devices) > 1
+        self.device_type = next(iter(devices)).type if devices else "cpu"
         if sync_models_at_startup:
             self._sync_params_and_buffers()
         for optimizer in optimizers:
