@@ -56,6 +56,11 @@ FAIRSCALE_PATHS: dict[str, object] = {
     "nn.FullyShardedDataParallel": _FSDP,
     "nn.data_parallel.FullyShardedDataParallel": _FSDP,
     "nn.data_parallel.fully_sharded_data_parallel.FullyShardedDataParallel": _FSDP,
+    **{
+        f"{where}.{name}": f"shardspeed.fairscale.fsdp:{name}"
+        for where in ("nn.data_parallel", "nn.data_parallel.fully_sharded_data_parallel")
+        for name in ("TrainingState", "get_fsdp_instances")
+    },
     # -- nested wrapping (`fairscale.nn.wrap` is the function there, and the module when imported) -----------
     **{
         f"{where}.{name}": f"{_WRAP}:{name}"

@@ -20,6 +20,7 @@ name (docs/compatibility.md, "FairScale").
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 from collections import OrderedDict
 
@@ -31,7 +32,25 @@ from shardspeed.comm.collectives import all_reduce
 from shardspeed.fairscale.fsdp_shard import ShardedParam, ShardState, rank_and_size
 from shardspeed.fairscale.fsdp_views import FlatHolder, clean_name, owned_registrations
 
-__all__ = ["FullyShardedDataParallel"]
+__all__ = ["FullyShardedDataParallel", "TrainingState", "get_fsdp_instances"]
+
+
+class TrainingState(enum.Enum):
+    """FairScale's names for where an FSDP instance is in its step (`instance.training_state`)."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+
+def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list:
+    """Every FullyShardedDataParallel in `module` (itself included), outermost first; `skip_empty` leaves
+    out those that shard no parameter."""
+    found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    return [m for m in found if m._shards] if skip_empty else found
+
 
 # FairScale arguments accepted only at the value that means "as shardspeed does it"
 _FIXED = {
@@ -91,6 +110,7 @@ class FullyShardedDataParallel(nn.Module):
             self.compute_device = torch.device("cuda", torch.cuda.current_device())
         self._fsdp_wrapped_module = FlatHolder(module)
         self._is_root: bool | None = None
+        self.training_state = TrainingState.IDLE
         self._require_sync = True
         self._in_summon = False
         self._local_state = False
@@ -148,10 +168,12 @@ class FullyShardedDataParallel(nn.Module):
             args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
         elif self._is_root and self.force_input_to_fp32:
             args, kwargs = _cast_floats((args, kwargs), torch.float32)
+        self.training_state = TrainingState.FORWARD
         for shard in self._shards:
             shard.gather()
         self._fsdp_wrapped_module.point_at_views()
         outputs = self.module_root(*args, **kwargs)
+        self.training_state = TrainingState.IDLE
         keep = self._is_root and self.disable_reshard_on_root
         if self.reshard_after_forward and not keep:
             for shard in self._shards:
@@ -241,6 +263,7 @@ class FullyShardedDataParallel(nn.Module):
         fresh = [i for i in instances if not i._in_summon]
         for instance in fresh:
             instance._in_summon = True
+            instance.training_state = TrainingState.SUMMON_FULL_PARAMS
             for shard in instance._shards:
                 shard.reshard()
             instance._fsdp_wrapped_module.show_originals([s.full_fp32() for s in instance._shards],
@@ -257,6 +280,7 @@ class FullyShardedDataParallel(nn.Module):
                     shard.param.data = shard.shard
                     shard.state = ShardState.SHARDED
                 instance._in_summon = False
+                instance.training_state = TrainingState.IDLE
 
     def named_parameters(self, *args, **kwargs):
         for name, param in super().named_parameters(*args, **kwargs):
