@@ -114,6 +114,10 @@ FAIRSCALE_PATHS: dict[str, object] = {
         "the RPC pipeline is not built; use shardspeed.pipe.PipelineModule", module=True
     ),
     "experimental.nn.ampnet_pipe": NotOffered("AMPNet's asynchronous pipeline is not built", module=True),
+    "experimental.nn.auto_shard": NotOffered(
+        "torch.fx-based automatic slicing is not built; OffloadModel slices an nn.Sequential by parameter count",
+        module=True,
+    ),
     "experimental.wgit": NotOffered("weigit (model version control) is not part of training", module=True),
     "internal": NotOffered(_INTERNAL, module=True),
     "utils": NotOffered(_INTERNAL, module=True),
