@@ -261,7 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.files or ()) - {name for name, _ in FILES})
     if unknown:
         parser.error(f"--files: not in the selection: {unknown}")
-    if args.only != "shardspeed" and not args.fairscale_python:
+    if args.only != "shardspeed" and not args.fairscale_python and args.merge is None:
         parser.error("--fairscale-python is required unless --only shardspeed")
     return args
 
