@@ -23,9 +23,9 @@ __all__ = [
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # `unit/x.py::Class::test[param] PASSED [ 10%]` (pytest -v); ids may hold spaces inside brackets
-_RESULT = re.compile(r"^(unit/\S+?\.py::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+_RESULT = re.compile(r"^((?:unit|tests)/\S+?\.py::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 # `FAILED unit/x.py::test - Reason` / `ERROR unit/x.py - Reason` / `SKIPPED [1] unit/x.py:12: reason`
-_SUMMARY = re.compile(r"^(FAILED|ERROR) (unit/\S+?\.py(?:::.+?)?)(?: - (.*))?$")
+_SUMMARY = re.compile(r"^(FAILED|ERROR) ((?:unit|tests)/\S+?\.py(?:::.+?)?)(?: - (.*))?$")
 _SKIP_SUMMARY = re.compile(r"^SKIPPED \[(\d+)\] (\S+?): (.*)$")
 _COLLECTED = re.compile(r"collected (\d+) items?(?: / (\d+) errors?)?(?: / (\d+) deselected)?")
 OUTCOMES = ("passed", "failed", "skipped", "error")

@@ -28,7 +28,7 @@ LAYERS = [
     ["core"],  # the training parts every feature builds on
     ["checkpoint", "checkpointing"],  # checkpoint files and layouts; activation checkpointing
     # one package per feature
-    ["zero", "moe", "pipe", "sequence", "compression", "profiling", "data_pipeline"],
+    ["zero", "moe", "pipe", "sequence", "compression", "profiling", "data_pipeline", "fairscale"],
     ["runtime", "inference"],  # the engines that compose the features
     ["api", "mii", "launcher", "tools", "compat", "autotuning"],  # entry points; DeepSpeed's paths
 ]

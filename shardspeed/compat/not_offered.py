@@ -34,8 +34,8 @@ class NotOffered:
         return f"NotOffered({self.reason!r}, module={self.module})"
 
 
-def _message(deepspeed_path: str, reason: str) -> str:
-    return f"deepspeed.{deepspeed_path} is not offered by shardspeed: {reason}"
+def _message(deepspeed_path: str, reason: str, package: str = "deepspeed") -> str:
+    return f"{package}.{deepspeed_path} is not offered by shardspeed: {reason}"
 
 
 class _StandInMeta(type):
@@ -43,21 +43,23 @@ class _StandInMeta(type):
     (`helper.convert` where `helper` is a module DeepSpeed has and shardspeed does not) is a stand-in too."""
 
     def __call__(cls, *args, **kwargs):
-        raise NotOfferedError(_message(cls._deepspeed_path, cls._reason))
+        raise NotOfferedError(_message(cls._deepspeed_path, cls._reason, cls._package))
 
     def __getattr__(cls, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        return not_offered_class(f"{cls._deepspeed_path}.{name}", cls._reason)
+        return not_offered_class(f"{cls._deepspeed_path}.{name}", cls._reason, cls._package)
 
 
-def not_offered_class(deepspeed_path: str, reason: str) -> type:
-    """A class named as the DeepSpeed name whose construction (or call) raises NotOfferedError."""
+def not_offered_class(deepspeed_path: str, reason: str, package: str = "deepspeed") -> type:
+    """A class named as the DeepSpeed name whose construction (or call) raises NotOfferedError. `package`:
+    the package the path is in (`fairscale` for the FairScale alias's paths)."""
     name = deepspeed_path.rsplit(".", 1)[-1]
     namespace = {
         "_deepspeed_path": deepspeed_path,
         "_reason": reason,
-        "__doc__": _message(deepspeed_path, reason),
+        "_package": package,
+        "__doc__": _message(deepspeed_path, reason, package),
         "__module__": "shardspeed.compat.not_offered",
         "__qualname__": name,
     }

@@ -1,0 +1,94 @@
+"""FairScale's `Pipe` (GPipe in one process): a sequential model split over devices, run in micro-batches.
+
+    model = Pipe(nn.Sequential(a, b, c, d), balance=[2, 2], devices=["cuda:0", "cuda:1"], chunks=8,
+                 checkpoint="except_last")
+
+The layers are split into consecutive partitions of `balance[i]` layers, partition i on `devices[i]`; the
+batch is split into `chunks` micro-batches along its first dimension, each runs through the partitions in
+order (moved from device to device between them), and the outputs are concatenated on the last device.
+Activations are checkpointed per partition and micro-batch (shardspeed's activation checkpointing) for
+every micro-batch (`"always"`), all but the last (`"except_last"`) or none (`"never"`). The results and
+gradients are those of the sequential model. What differs from FairScale: the micro-batches run one after
+the other on the Python thread (FairScale overlaps partitions on CUDA streams and worker threads), so this
+Pipe saves memory but does not overlap devices; shardspeed's multi-process pipeline is
+`shardspeed.pipe.PipelineModule`. Without CUDA, `devices` defaults to the CPU for every partition.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardspeed.checkpointing import non_reentrant_checkpoint
+
+__all__ = ["Pipe"]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+class Pipe(nn.Module):
+    """FairScale's `fairscale.nn.Pipe(module, balance, devices=None, chunks=1, checkpoint="except_last",
+    deferred_batch_norm=False)`."""
+
+    def __init__(self, module: nn.Sequential, balance=None, *, devices=None, chunks: int = 1,
+                 checkpoint: str = "except_last", deferred_batch_norm: bool = False):  # fmt: skip
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError("Pipe: module must be an nn.Sequential")
+        if balance is None:
+            raise ValueError("Pipe: balance is required (the number of layers of each partition)")
+        balance = [int(b) for b in balance]
+        if any(b <= 0 for b in balance) or sum(balance) != len(module):
+            raise ValueError(f"Pipe: balance {balance} must be positive and sum to the {len(module)} layers")
+        if int(chunks) <= 0:
+            raise ValueError("number of chunks must be positive integer")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        if deferred_batch_norm:
+            raise ValueError(
+                "Pipe(deferred_batch_norm=True) is not offered: batch-norm statistics are updated per "
+                "micro-batch here (FairScale's deferred statistics over the whole batch are not built)"
+            )
+        if devices is None:
+            count = torch.cuda.device_count()
+            devices = [
+                torch.device("cuda", i % count) if count else torch.device("cpu") for i in range(len(balance))
+            ]
+        devices = [torch.device(d) for d in devices]
+        if len(devices) < len(balance):
+            raise ValueError(f"Pipe: {len(balance)} partitions need as many devices (got {len(devices)})")
+        layers, start, partitions = list(module), 0, []
+        for size, device in zip(balance, devices):
+            partitions.append(nn.Sequential(*layers[start : start + size]).to(device))
+            start += size
+        self.partitions = nn.ModuleList(partitions)
+        self.balance, self.devices = balance, devices[: len(balance)]
+        self.chunks, self.checkpoint = int(chunks), checkpoint
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return [layer for p in self.partitions for layer in p][index]
+
+    def __iter__(self):
+        for partition in self.partitions:
+            yield from partition
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if not torch.is_tensor(batch):
+            raise TypeError("Pipe.forward takes one tensor (the batch)")
+        micro_batches = batch.chunk(self.chunks)
+        stop = {"always": len(micro_batches), "except_last": len(micro_batches) - 1, "never": 0}[
+            self.checkpoint
+        ]
+        outputs = []
+        for index, micro in enumerate(micro_batches):
+            for partition, device in zip(self.partitions, self.devices):
+                micro = micro.to(device)
+                if index < stop and torch.is_grad_enabled():
+                    micro = non_reentrant_checkpoint(partition, micro)
+                else:
+                    micro = partition(micro)
+            outputs.append(micro)
+        return torch.cat(outputs)

@@ -1,0 +1,127 @@
+"""FairScale's single-process parts on the CPU: OffloadModel (the same parameters as the plain model, with
+and without activation checkpointing and microbatches, under autocast, accumulating across backward calls),
+checkpoint_wrapper and Pipe (the plain model's outputs and gradients)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from shardspeed.fairscale.checkpoint_wrapper import checkpoint_wrapper, is_checkpointing, is_recomputing
+from shardspeed.fairscale.offload_model import OffloadModel, split_by_parameters
+from shardspeed.fairscale.pipe import CHECKPOINT_MODES, Pipe
+
+STEPS = 3
+
+
+def _layers(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16),
+                         nn.Tanh(), nn.Linear(16, 4))  # fmt: skip
+
+
+def _train(model, autocast: bool, accumulate: int = 1) -> list:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        for part in range(accumulate):
+            xs, ys = x.chunk(accumulate)[part], y.chunk(accumulate)[part]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = nn.functional.mse_loss(model(xs).float(), ys) / accumulate
+            loss.backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]  # the layers' order in both models
+
+
+def _flat(params: list) -> torch.Tensor:
+    return torch.cat([p.reshape(-1) for p in params])
+
+
+@pytest.mark.parametrize(
+    "checkpoint_activation, num_microbatches, autocast",
+    [(False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True), (False, 2, True)],
+)
+def test_offload_model_trains_as_the_plain_model(checkpoint_activation, num_microbatches, autocast):
+    expected = _flat(_train(_layers(), autocast))
+    model = OffloadModel(model=_layers(), device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                         num_slices=3, checkpoint_activation=checkpoint_activation,
+                         num_microbatches=num_microbatches)  # fmt: skip
+    assert len(model.model_slices) == 3
+    got = _flat(_train(model, autocast))
+    tolerance = 1e-6 if not autocast else (1e-6 if num_microbatches == 1 else 5e-3)
+    assert (got - expected).abs().max().item() < tolerance
+
+
+def test_gradients_accumulate_across_backward_calls():
+    expected = _flat(_train(_layers(), False, accumulate=2))
+    model = OffloadModel(model=_layers(), device="cpu", num_slices=2, checkpoint_activation=True)
+    assert (_flat(_train(model, False, accumulate=2)) - expected).abs().max().item() < 1e-6
+
+
+def test_split_keeps_order_and_balances_parameters():
+    layers = list(_layers())
+    slices = split_by_parameters(layers, 3)
+    assert [m for s in slices for m in s] == layers and len(slices) == 3
+    with pytest.raises(TypeError, match=r"nn\.Sequential"):
+        OffloadModel(model=nn.Linear(2, 2), device="cpu")
+
+
+def _grads(model, x, **kwargs) -> list[torch.Tensor]:
+    model.zero_grad()
+    model(x, **kwargs).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.phases = []
+
+    def forward(self, x, scale=1.0):
+        self.phases.append((is_checkpointing(), is_recomputing()))
+        return torch.tanh(self.linear(x)) * scale
+
+
+@pytest.mark.parametrize("offload_to_cpu", [False, True])
+def test_checkpoint_wrapper_gives_the_plain_gradients(offload_to_cpu):
+    torch.manual_seed(0)
+    plain = _Block()
+    wrapped = copy.deepcopy(plain)
+    checkpoint_wrapper(wrapped, offload_to_cpu=offload_to_cpu)
+    x = torch.randn(4, 8)
+    for a, b in zip(_grads(plain, x, scale=2.0), _grads(wrapped, x, scale=2.0)):
+        assert torch.equal(a, b)
+    assert wrapped.phases == [(True, False), (False, True)]  # forward, then recomputation in backward
+
+
+def test_checkpoint_wrapper_updates_batch_norm_statistics_once():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(8, 4)
+    for a, b in zip(_grads(plain, x), _grads(wrapped, x)):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert torch.equal(plain[1].running_mean, wrapped[1].running_mean)
+    assert plain[1].num_batches_tracked == wrapped[1].num_batches_tracked == 1
+
+
+def test_pipe_matches_the_sequential_model():
+    model = _layers()
+    x = torch.randn(8, 8)
+    expected_out, expected_grads = model(x), _grads(model, x)
+    for mode in CHECKPOINT_MODES:
+        pipe = Pipe(copy.deepcopy(model), balance=[3, 4], chunks=4, checkpoint=mode)
+        assert len(pipe) == 7 and len(pipe.partitions) == 2
+        assert torch.allclose(pipe(x), expected_out, atol=1e-6)
+        for a, b in zip(_grads(pipe, x), expected_grads):
+            assert torch.allclose(a, b, atol=1e-6)
+    with pytest.raises(ValueError, match="balance"):
+        Pipe(_layers(), balance=[3, 3])
+    with pytest.raises(ValueError, match="deferred_batch_norm"):
+        Pipe(_layers(), balance=[7], deferred_batch_norm=True)
