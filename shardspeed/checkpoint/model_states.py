@@ -237,7 +237,8 @@ class ModelStates(Part):
         `reader` when given: a universal folder's)."""
         from shardspeed.checkpoint.universal import CheckpointReader
 
-        if reader is None and tp_files.needs_tp_reshard(state, self.tp):  # another tensor degree: merge, re-split
+        # another tensor degree: merged and re-split by name
+        if reader is None and tp_files.needs_tp_reshard(state, self.tp):
             reader = tp_files.TensorParallelReader(path, state, self.tp)
         elif reader is None:
             reader = CheckpointReader(path, model_states=state, mp_rank=state.get("mp_rank", 0))

@@ -119,7 +119,9 @@ def write_universal(reader, model_states: dict, output: Path, *, inject_missing_
     try:
         names = [n for n in reader.param_names() if reader.has_value(n)]
         _write_parameters(reader, names, staging / layout.ZERO_FOLDER, extract_workers, merge_workers)
-        files.save_file(_optimizer_state(reader, names), staging / layout.ZERO_FOLDER / layout.OPTIMIZER_STATE_FILE)
+        files.save_file(
+            _optimizer_state(reader, names), staging / layout.ZERO_FOLDER / layout.OPTIMIZER_STATE_FILE
+        )
         kept = dict(model_states)
         kept["optimizer"] = None  # the optimizer's state is in zero/, by parameter
         kept.setdefault(UNIVERSAL_CHECKPOINT_INFO, dict(UNIVERSAL_CHECKPOINT_VERSION))
@@ -153,7 +155,9 @@ def _parameter_files(reader, name: str) -> dict:
     return out
 
 
-def _write_parameters(reader, names: list[str], zero_dir: Path, extract_workers: int, merge_workers: int) -> None:
+def _write_parameters(
+    reader, names: list[str], zero_dir: Path, extract_workers: int, merge_workers: int
+) -> None:
     def write(item) -> None:
         name, contents = item
         folder = zero_dir / name
@@ -183,7 +187,10 @@ def _optimizer_state(reader, names: list[str]) -> dict:
     )  # fmt: skip
     state = {
         "param_groups": listed,
-        "optimizer_state_dict": {"state": {0: {"step": step}} if step is not None else {}, "param_groups": listed},
+        "optimizer_state_dict": {
+            "state": {0: {"step": step}} if step is not None else {},
+            "param_groups": listed,
+        },
         "zero_stage": reader.zero_stage,
         "ds_version": DS_FORMAT_VERSION,
         "shardspeed_version": __version__,

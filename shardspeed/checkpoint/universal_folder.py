@@ -41,8 +41,8 @@ from shardspeed.utils.logging import log_dist
 __all__ = [
     "LATEST_UNIVERSAL",
     "OPTIMIZER_STATE_FILE",
-    "UniversalFolderReader",
     "ZERO_FOLDER",
+    "UniversalFolderReader",
     "is_universal_folder",
     "model_states_file",
     "read_latest_universal",
@@ -155,7 +155,9 @@ class UniversalFolderReader:
             raise CheckpointError(
                 f"{self.path} is not a universal checkpoint: {self.zero_dir} (one folder per parameter) is missing"
             )
-        self._model = model_states if model_states is not None else files.read_checkpoint(model_states_file(self.path))
+        self._model = (
+            model_states if model_states is not None else files.read_checkpoint(model_states_file(self.path))
+        )
         self._optimizer = read_record_file(self.zero_dir / OPTIMIZER_STATE_FILE)
         if not isinstance(self._optimizer, dict) or not isinstance(self._optimizer.get("param_groups"), list):
             raise CheckpointError(
@@ -286,7 +288,10 @@ class UniversalFolderReader:
         return None
 
     def param_groups(self) -> list[dict]:
-        return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self._optimizer["param_groups"]]
+        return [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            for g in self._optimizer["param_groups"]
+        ]
 
     def loss_scaler(self) -> dict | None:
         """The fp16 loss scaler's state when the source trained with fp16 loss scaling."""

@@ -50,7 +50,11 @@ def open_checkpoint(placement, load_dir, tag, check: Callable[[Path, dict], None
             raise ValueError(f"load_checkpoint: load_dir must name a folder, got {load_dir!r}")
         if Path(load_dir).exists() and not Path(load_dir).is_dir():
             raise NotADirectoryError(f"load_checkpoint: {load_dir} is a file, not a checkpoint folder")
-        opened = _find_universal(Path(load_dir), tag) if universal else _find(Path(load_dir), tag, placement.mp_rank)
+        opened = (
+            _find_universal(Path(load_dir), tag)
+            if universal
+            else _find(Path(load_dir), tag, placement.mp_rank)
+        )
         if opened is not None:
             check(*opened)
         return opened
