@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from universal_common import SAVE_AT, STEPS, build_model, config, optimizer, train
+from universal_common import SAVE_AT, STEPS, full_params, save_and_convert, shardspeed_engine, train
 
 from harness import error_text, run_ranks
 
@@ -29,61 +29,25 @@ LOADS = {
 }
 
 
-def _engine(world: int, stage: int, seed: int, universal: bool = True):
-    import shardspeed
-
-    model = build_model(seed)
-    cfg = config(world, stage)
-    if universal:
-        cfg["checkpoint"] = {"load_universal": True}
-    engine, *_ = shardspeed.initialize(model=model, optimizer=optimizer(model), config=cfg)
-    return engine
-
-
-def _full(engine) -> dict:
-    from shardspeed.zero import safe_get_full_fp32_param
-
-    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
-
-
-def _save_and_convert(root: str) -> dict:
-    """The uninterrupted run at 2 ranks, ZeRO-2, saving at SAVE_AT; rank 0 then runs ds_to_universal."""
-    import torch.distributed as dist
-
-    from shardspeed.checkpoint.to_universal import main
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    engine = _engine(world, 2, seed=0, universal=False)
-    train(engine, range(SAVE_AT), rank, world)
-    engine.save_checkpoint(root)
-    train(engine, range(SAVE_AT, STEPS), rank, world)
-    params = _full(engine)
-    engine.destroy()
-    if rank == 0:
-        tag = f"{root}/global_step{SAVE_AT}"
-        main(["--input_folder", tag, "--output_folder", f"{tag}_universal", "--inject_missing_state",
-              "--num_extract_workers", "2", "--num_merge_workers", "1"])  # fmt: skip
-    dist.barrier()
-    return params
-
-
 def _resume(folders: dict, world: int, damaged: dict) -> dict:
     rank, out = int(os.environ["RANK"]), {}
     if world == 2:  # the same processes first make the run and the folder the others load
-        out["uninterrupted"] = _save_and_convert(folders["ours"])
+        out["uninterrupted"] = save_and_convert(folders["ours"])["final"]
     for label, key, stage in LOADS.get(world, []):
-        engine = _engine(world, stage, seed=123)  # other initial values: everything must come from the folder
+        engine = shardspeed_engine(
+            world, stage, seed=123
+        )  # other initial values: everything must come from the folder
         engine.load_checkpoint(folders[key])
         steps = engine.global_steps
         train(engine, range(SAVE_AT, STEPS), rank, world)
         # lr: the schedule went on from the saved step
-        out[label] = {"steps": steps, "lr": engine.get_lr(), "params": _full(engine)}
+        out[label] = {"steps": steps, "lr": engine.get_lr(), "params": full_params(engine)}
         engine.destroy()
     for label, folder in damaged.items():
-        engine = _engine(world, 2, seed=123)
-        before = _full(engine)
+        engine = shardspeed_engine(world, 2, seed=123)
+        before = full_params(engine)
         error = error_text(lambda engine=engine, folder=folder: engine.load_checkpoint(folder))
-        unchanged = all(torch.equal(before[n], v) for n, v in _full(engine).items())
+        unchanged = all(torch.equal(before[n], v) for n, v in full_params(engine).items())
         out[label] = {"error": error, "unchanged": unchanged, "steps": engine.global_steps}
         engine.destroy()
     return out
@@ -208,3 +172,45 @@ def test_command_refuses_what_it_cannot_honour(runs, capsys):
         main(["--input_folder", source, "--output_folder", out, "--merge_all"])
     assert "unrecognized arguments: --merge_all" in capsys.readouterr().err
     assert not Path(out).exists() and not (Path(out).parent / "latest_universal").exists()  # nothing written
+
+
+def test_deepspeed_checkpoint_maps_onto_our_files(runs, tmp_path):
+    from shardspeed.compat.mirrors.deepspeed_checkpoint import DeepSpeedCheckpoint
+    from shardspeed.compat.not_offered import NotOfferedError
+
+    source = runs["root"] / "ours" / f"global_step{SAVE_AT}"
+    folder = tmp_path / "tag"
+    shutil.copytree(source, folder)
+    model = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=True)
+    model.update(iteration=SAVE_AT, args={"num_layers": 2})  # what Megatron keeps in client state
+    torch.save(model, folder / "mp_rank_00_model_states.pt")
+    layers = {1: "embed", 2: "block0", 3: "block1", 4: "norm"}  # pipeline layer files, as Megatron names them
+    for index, role in layers.items():
+        torch.save(
+            {"weight": torch.full((2,), float(index)), "role": role},
+            folder / f"layer_{index:02d}-model_00-model_states.pt",
+        )
+
+    checkpoint = DeepSpeedCheckpoint(str(folder))
+    assert (checkpoint.tp_degree, checkpoint.pp_degree, checkpoint.dp_degree, checkpoint.world_size) == (
+        1,
+        1,
+        2,
+        2,
+    )
+    assert checkpoint.get_iteration() == SAVE_AT and checkpoint.get_args() == {"num_layers": 2}
+    assert checkpoint.get_embedding_state(0)["role"] == "embed"
+    assert checkpoint.get_final_norm_state(0)["role"] == "norm"
+    assert [sd["role"] for sd in checkpoint.get_transformer_state(0, 0)] == ["block0", "block1"]
+    assert [Path(f).name for f in checkpoint.get_zero_files(0, 0, 1)] == [
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    ]
+    assert checkpoint.get_2d_parallel_state(0, 0)["global_steps"] == SAVE_AT
+    two_stages = DeepSpeedCheckpoint(str(folder), pp_degree=2)  # the transformer layers spread over 2 stages
+    assert two_stages.get_pp_transformer_map(1) == ["layer_03"] and two_stages.is_change_pp_degree()
+    with pytest.raises(
+        NotOfferedError, match="get_zero_checkpoint_state returns DeepSpeed's ZeRO partition layout"
+    ):
+        checkpoint.get_zero_checkpoint_state(0, 0, 0)
+    with pytest.raises(NotOfferedError, match="tp_degree=2"):
+        DeepSpeedCheckpoint(str(folder), tp_degree=2)

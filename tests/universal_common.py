@@ -7,6 +7,8 @@ both libraries step the same optimizer on the same data and their runs agree to 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 LR, STEPS, SAVE_AT, GLOBAL_BATCH = 0.01, 6, 3, 8
@@ -65,3 +67,48 @@ def train(engine, steps, rank: int, world: int) -> list[float]:
             engine.step()
             losses.append(loss.item())
     return losses
+
+
+# -- shardspeed's side (imported lazily: the DeepSpeed script imports this module too) -------------------
+
+
+def shardspeed_engine(world: int, stage: int, seed: int, universal: bool = True):
+    import shardspeed
+
+    model = build_model(seed)
+    cfg = config(world, stage)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    engine, *_ = shardspeed.initialize(model=model, optimizer=optimizer(model), config=cfg)
+    return engine
+
+
+def full_params(engine) -> dict:
+    from shardspeed.zero import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def save_and_convert(root: str) -> dict:
+    """shardspeed's uninterrupted run at 2 ranks, ZeRO-2, saving at SAVE_AT; rank 0 then runs ds_to_universal.
+    Returns the final parameters and those saved (the model-states file's `module`)."""
+    import torch.distributed as dist
+
+    from shardspeed.checkpoint.to_universal import main
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    engine = shardspeed_engine(world, 2, seed=0, universal=False)
+    train(engine, range(SAVE_AT), rank, world)
+    engine.save_checkpoint(root)
+    train(engine, range(SAVE_AT, STEPS), rank, world)
+    params = full_params(engine)
+    engine.destroy()
+    at_save = torch.load(f"{root}/global_step{SAVE_AT}/mp_rank_00_model_states.pt", weights_only=True)[
+        "module"
+    ]
+    if rank == 0:
+        tag = f"{root}/global_step{SAVE_AT}"
+        main(["--input_folder", tag, "--output_folder", f"{tag}_universal", "--inject_missing_state",
+              "--num_extract_workers", "2", "--num_merge_workers", "1"])  # fmt: skip
+    dist.barrier()
+    return {"final": params, "at_save": at_save}

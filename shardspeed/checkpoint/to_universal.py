@@ -33,7 +33,7 @@ from shardspeed.checkpoint import universal_folder as layout
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.version import __version__
 
-__all__ = ["main", "parse_arguments", "write_universal"]
+__all__ = ["command", "main", "parse_arguments", "write_universal"]
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 UNIVERSAL_CHECKPOINT_VERSION = {"universal_checkpoint_version": 0.4}  # what DeepSpeed 0.19.8's tool injects
@@ -100,6 +100,15 @@ def main(args=None) -> int:
     )
     print(f"Wrote {output} and {output.parent / layout.LATEST_UNIVERSAL}")
     return 0
+
+
+def command() -> int:
+    """The console script: `main`, with a checkpoint's faults reported as a message and exit status 1."""
+    try:
+        return main()
+    except CheckpointError as err:
+        print(f"ds_to_universal: {err}", file=sys.stderr)
+        return 1
 
 
 def write_universal(reader, model_states: dict, output: Path, *, inject_missing_state: bool = False,
@@ -228,4 +237,4 @@ def _publish(staging: Path, output: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())
