@@ -4,7 +4,8 @@ One run of tests/universal_common.py's model at 2 ranks, ZeRO-2, saves at step S
 uninterrupted run); `ds_to_universal` converts its checkpoint; runs at 1, 2 and 4 ranks and other stages load
 the universal folder and finish the run. tests/fixtures/ds_universal/ is a universal folder DeepSpeed 0.19.8
 wrote itself (tests/fixtures/ds_universal_script.py) with its own uninterrupted run's final parameters: loading
-it must land on them too. Damaged universal folders are refused on every rank, naming the file, with the live
+it must land on them too; tests/fixtures/ds_universal_zero3/ is DeepSpeed's conversion of a ZeRO-3 run (bare flat
+tensors, no step.pt), likewise. Damaged universal folders are refused on every rank, naming the file, with the live
 model unchanged. Live DeepSpeed loading our output: tests/integrations/test_deepspeed_universal.py.
 """
 
@@ -21,10 +22,17 @@ from universal_common import SAVE_AT, STEPS, full_params, save_and_convert, shar
 from harness import error_text, run_ranks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ds_universal"
+FIXTURE_ZERO3 = (
+    Path(__file__).parent / "fixtures" / "ds_universal_zero3"
+)  # DeepSpeed's conversion of a ZeRO-3 run
 # (world size, [(label, folder key, stage)]) of the resumed runs.
 LOADS = {
     1: [("ours 2/s2 -> 1/s0", "ours", 0), ("deepspeed 2/s2 -> 1/s3", "deepspeed", 3)],
-    2: [("ours 2/s2 -> 2/s1", "ours", 1), ("deepspeed 2/s2 -> 2/s2", "deepspeed", 2)],
+    2: [
+        ("ours 2/s2 -> 2/s1", "ours", 1),
+        ("deepspeed 2/s2 -> 2/s2", "deepspeed", 2),
+        ("deepspeed 2/s3 -> 2/s1", "deepspeed_zero3", 1),  # flat tensors, no step.pt: DeepSpeed's ZeRO-3 form
+    ],
     4: [("ours 2/s2 -> 4/s3", "ours", 3)],
 }
 
@@ -86,7 +94,7 @@ class _RunsCode:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("universal")
-    folders = {"ours": str(root / "ours"), "deepspeed": str(FIXTURE)}
+    folders = {"ours": str(root / "ours"), "deepspeed": str(FIXTURE), "deepspeed_zero3": str(FIXTURE_ZERO3)}
     damaged = _damage(root / "damaged")
     results = {
         world: run_ranks(_resume, world, folders, world, damaged if world == 2 else {}) for world in (2, 1, 4)
@@ -104,7 +112,8 @@ def test_resume_from_universal_matches_uninterrupted_run(runs, label):
     if label.startswith("ours"):
         reference = runs["reference"]
     else:
-        reference = torch.load(FIXTURE / "reference.pt", weights_only=True)["params"]  # DeepSpeed's own run
+        fixture = FIXTURE_ZERO3 if "2/s3 ->" in label else FIXTURE
+        reference = torch.load(fixture / "reference.pt", weights_only=True)["params"]  # DeepSpeed's own run
     for rank, got in enumerate(_case(runs, label)):
         assert got["steps"] == SAVE_AT and got["lr"] == [0.01]
         diff = max((got["params"][n] - reference[n]).abs().max().item() for n in reference)

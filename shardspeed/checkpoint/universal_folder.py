@@ -145,7 +145,6 @@ class UniversalFolderReader:
     needs. `check()` (run by the constructor) reads every file's header, memory-mapped, before any load.
     """
 
-    world_size = 1  # the layout is whole parameters, whatever wrote it
     mp_rank = 0
 
     def __init__(self, tag_dir, *, model_states: dict | None = None):
@@ -164,7 +163,9 @@ class UniversalFolderReader:
                 f"{self.zero_dir / OPTIMIZER_STATE_FILE} has no 'param_groups' list: not a universal checkpoint's "
                 "optimizer state"
             )
+        # The source run's stage and data-parallel size (for messages: the folder holds whole parameters).
         self.zero_stage = int(self._optimizer.get("zero_stage", self._model.get("zero_stage", 0)) or 0)
+        self.world_size = int(self._model.get("dp_world_size", 1))
         self._module = self._model.get("module") or {}
         self._values: dict[str, dict[str, torch.Tensor]] = {}
         self.check()
@@ -296,7 +297,7 @@ class UniversalFolderReader:
     def loss_scaler(self) -> dict | None:
         """The fp16 loss scaler's state when the source trained with fp16 loss scaling."""
         fp16 = (self._model.get("ds_config") or {}).get("fp16") or {}
-        saved = self._optimizer.get("loss_scaler")
+        saved = self._optimizer.get("shardspeed_loss_scaler", self._optimizer.get("loss_scaler"))
         state = saved.state if isinstance(saved, _Record) else saved
         wanted = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
         if fp16.get("enabled") is True and isinstance(state, dict) and all(k in state for k in wanted):
