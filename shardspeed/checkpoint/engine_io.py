@@ -198,7 +198,7 @@ def load_checkpoint(parts: list, placement: Placement, load_dir, tag, options: L
             part.check(path, state, options)
         check_present(parts, path, state, files.model_states_name(placement.mp_rank))
 
-    opened = verify.open_checkpoint(placement, load_dir, tag, check)
+    opened = verify.open_checkpoint(placement, load_dir, tag, check, universal=options.universal)
     if opened is None:
         return None, None
     # From here on the live state changes: every check above has passed on every rank.

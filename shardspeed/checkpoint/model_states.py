@@ -60,6 +60,7 @@ class ModelStates(Part):
             "zero_stage", "zero_partitions", "dp_world_size")  # fmt: skip
     optional = True  # `check` names a file without these entries as not a shardspeed model-states file
     holds_weights = True
+    reads_universal = True  # loads DeepSpeed's universal folders (`checkpoint.load_universal`)
 
     def __init__(self, module, optimizer, placement: Placement, *, zero_stage: int, tp, ds_config, version):
         self.module = module
@@ -69,6 +70,7 @@ class ModelStates(Part):
         self.tp = tp  # the tensor-parallel part (rank, size, partitions), or None
         self.ds_config = ds_config
         self.version = version
+        self._universal = None  # (path, reader) of the universal folder `check` opened, for `load_state_dict`
 
     # -- save -------------------------------------------------------------------------------------------------
 
@@ -125,6 +127,9 @@ class ModelStates(Part):
     # -- checks (every rank, before anything is loaded) ---------------------------------------------------------
 
     def check(self, path: Path, state: dict, options: LoadOptions) -> None:
+        if options.universal:
+            self._check_universal(path, state, options.strict)
+            return
         if deepspeed_raw(state) is not None:
             self._check_names_and_shapes(state, options.strict, path)
             self._check_deepspeed(path, state)
@@ -149,6 +154,26 @@ class ModelStates(Part):
         return DeepSpeedCheckpointReader(
             path, model_states=deepspeed_raw(state), mp_rank=self.placement.mp_rank
         )
+
+    def _check_universal(self, path: Path, state: dict, strict: bool) -> None:
+        """Open the universal folder (every file checked, checkpoint/universal_folder.py) and match it to the
+        model, before anything is loaded."""
+        from shardspeed.checkpoint.universal_folder import UniversalFolderReader
+
+        if not self.reads_universal:
+            raise CheckpointError(
+                f"load_universal: universal checkpoints are not read into a model with {self.name} layers "
+                "(MoE, pipeline); load shardspeed's own checkpoint, which reshards without conversion"
+            )
+        if self.tp is not None and self.tp.size > 1:
+            raise CheckpointError(
+                "load_universal: universal checkpoints are not read under tensor parallelism (autotp_size > 1); "
+                "load shardspeed's own checkpoint, which reshards across tensor degrees"
+            )
+        self._universal = None
+        reader = UniversalFolderReader(path, model_states=state)
+        self._check_same_model(reader, strict, path)
+        self._universal = (path, reader)
 
     def _check_names_and_shapes(self, state: dict, strict: bool, path: Path) -> None:
         """The checkpoint's parameters against the model's, from the recorded shapes (nothing loaded yet)."""
@@ -206,6 +231,13 @@ class ModelStates(Part):
 
     def load_state_dict(self, entries: dict, ctx: LoadContext) -> None:
         path, state, options = ctx.path, ctx.state, ctx.options
+        if options.universal:
+            opened, self._universal = self._universal, None
+            if opened is None or opened[0] != path:
+                raise CheckpointError(f"load_universal: {path} was not checked before loading")
+            ctx.resharded = True
+            self._load_resharded(state, path, options.strict, options.optimizer, reader=opened[1])
+            return
         ctx.resharded = self.needs_reshard(state, path)
         if ctx.resharded:
             self._load_resharded(state, path, options.strict, options.optimizer)
@@ -219,15 +251,19 @@ class ModelStates(Part):
                 return
             self._load_optimizer(state, options.load_optimizer_states, path)
 
-    def _load_resharded(self, state: dict, path: Path, strict: bool, load_optimizer_states: bool) -> None:
-        """Load a checkpoint of any stage and world size: every rank assembles its own shards by name."""
+    def _load_resharded(self, state: dict, path: Path, strict: bool, load_optimizer_states: bool,
+                        reader=None) -> None:  # fmt: skip
+        """Load a checkpoint of any stage and world size: every rank assembles its own shards by name (from
+        `reader` when given: a universal folder's)."""
         from shardspeed.checkpoint.universal import CheckpointReader
 
-        if deepspeed_raw(state) is not None:
+        if reader is None and deepspeed_raw(state) is not None:
             reader = self._deepspeed_reader(path, state)
-        elif tp_files.needs_tp_reshard(state, self.tp):  # another tensor degree: merge and re-split by name
+        elif reader is None and tp_files.needs_tp_reshard(
+            state, self.tp
+        ):  # another tensor degree: merge and re-split by name
             reader = tp_files.TensorParallelReader(path, state, self.tp)
-        else:
+        elif reader is None:
             reader = CheckpointReader(path, model_states=state, mp_rank=state.get("mp_rank", 0))
         log_dist(
             f"resharding checkpoint {path}: saved at ZeRO stage {reader.zero_stage} by {reader.world_size} "

@@ -75,6 +75,7 @@ class LoadOptions:
     load_optimizer_states: bool = True
     load_scheduler_states: bool = True
     module_only: bool = False
+    universal: bool = False  # `checkpoint.load_universal`: the folder is DeepSpeed's universal layout
 
     @property
     def optimizer(self) -> bool:

@@ -38,19 +38,24 @@ def _partition_pattern(mp_rank: int) -> re.Pattern:
 _RNG = re.compile(r"rng_states_rank_(\d+)\.pt")
 
 
-def open_checkpoint(placement, load_dir, tag, check: Callable[[Path, dict], None]):
+def open_checkpoint(placement, load_dir, tag, check: Callable[[Path, dict], None], universal: bool = False):
     """`(path, model_states)` of the checkpoint to load, or None when there is none (every rank agrees).
 
     `placement` (checkpoint/parts.py) says which model-states file is this rank's and where its collectives
     run. `check(path, model_states)` runs the consistency checks on this rank; any error it, the arguments or the
-    reading raise on any rank is raised on every rank."""
+    reading raise on any rank is raised on every rank. `universal`: a universal folder, found through
+    `latest_universal` (checkpoint/universal_folder.py); there is always one, or the load fails."""
 
     def find_and_check():
         if load_dir is None or (isinstance(load_dir, str) and not load_dir.strip()):
             raise ValueError(f"load_checkpoint: load_dir must name a folder, got {load_dir!r}")
         if Path(load_dir).exists() and not Path(load_dir).is_dir():
             raise NotADirectoryError(f"load_checkpoint: {load_dir} is a file, not a checkpoint folder")
-        opened = _find(Path(load_dir), tag, placement.mp_rank)
+        opened = (
+            _find_universal(Path(load_dir), tag)
+            if universal
+            else _find(Path(load_dir), tag, placement.mp_rank)
+        )
         if opened is not None:
             check(*opened)
         return opened
@@ -96,6 +101,17 @@ def _find(load_dir: Path, tag, mp_rank: int = 0) -> tuple[Path, dict] | None:
         )
     # this tensor rank's file (DeepSpeed's are seen through shardspeed's entries: deepspeed_format)
     return path, read_model_states(path, mp_rank)
+
+
+def _find_universal(load_dir: Path, tag) -> tuple[Path, dict]:
+    from shardspeed.checkpoint.universal_folder import model_states_file, read_latest_universal
+
+    if not load_dir.is_dir():
+        raise CheckpointError(f"load_universal: checkpoint folder {load_dir} does not exist")
+    path = load_dir / str(tag if tag is not None else read_latest_universal(load_dir))
+    if not path.is_dir():
+        raise CheckpointError(f"universal checkpoint {path} does not exist")
+    return path, files.read_checkpoint(model_states_file(path))
 
 
 def _indices(path: Path, pattern: re.Pattern) -> list[int]:

@@ -330,13 +330,11 @@ PATHS: dict[str, object] = {
         True,
     ),
     # -- deepspeed.checkpoint --------------------------------------------------------------------------------
-    "checkpoint.DeepSpeedCheckpoint": NotOffered(
-        "the offline checkpoint reshaper is not needed: checkpoints load at any world size, stage and degree"
-    ),
-    "checkpoint.ds_to_universal": NotOffered(
-        "no offline universal conversion is needed: checkpoints load at any world size, stage and degree",
-        True,
-    ),
+    "checkpoint.DeepSpeedCheckpoint": "shardspeed.compat.mirrors.deepspeed_checkpoint:DeepSpeedCheckpoint",
+    "checkpoint.deepspeed_checkpoint": "shardspeed.compat.mirrors.deepspeed_checkpoint",
+    "checkpoint.ds_to_universal": "shardspeed.checkpoint.to_universal",
+    "checkpoint.constants": "shardspeed.compat.mirrors.checkpoint_constants",
+    "checkpoint.*": "shardspeed.compat.mirrors.checkpoint_constants",
     # -- process groups and communication -----------------------------------------------------------------
     "moe.mappings": NotOffered("expert tensor parallelism is not built", True),
     "moe.utils.MoE": "shardspeed.moe.layer:MoE",

@@ -219,7 +219,8 @@ class CheckpointConfig:
     tag_validation: Annotated[Literal["Ignore", "Warn", "Fail"], Key(normalize=_tag_mode)] = "Warn"
     """Check that all ranks save under the same tag: Ignore, Warn or Fail (case-insensitive). Default Warn."""
     load_universal: bool = False
-    """Load a universal (parallelism-independent) checkpoint. Default false."""
+    """Load DeepSpeed's universal layout (`latest_universal`, `<tag>/zero/<param>/`, written by ds_to_universal) at
+    any world size and ZeRO stage. Default false."""
     use_node_local_storage: bool = False
     """Each node's local rank 0 writes model files (node-local disks). Default false."""
     parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig)

@@ -113,6 +113,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
         "checkpoint.tag_validation",
+        "checkpoint.load_universal",
         "activation_checkpointing",
         "tensorboard",
         "csv_monitor",
@@ -200,8 +201,6 @@ _REASONS: dict[str, str] = {
     "compile": "DeepCompile is not implemented; engine.compile() (torch.compile of the module) needs no "
     "config",
     "datastates_ckpt": "DataStates asynchronous checkpointing is not implemented",
-    "checkpoint.load_universal": "DeepSpeed's universal checkpoint folders (ds_to_universal) are not read; "
-    "shardspeed checkpoints load at any parallel layout without conversion",
     "checkpoint.use_node_local_storage": "node-local checkpoint storage is not implemented (every rank "
     "must see the checkpoint folder)",
     "checkpoint.parallel_write": "parallel pipeline-stage writes are not implemented",

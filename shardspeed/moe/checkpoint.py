@@ -62,6 +62,7 @@ class MoEModelStates(ModelStates):
     """The module and optimizer wrapper of a model with MoE layers; `moe` is the engine's MoE part."""
 
     keys = (*ModelStates.keys, "num_experts", "moe_layout")
+    reads_universal = False  # experts have no place in the universal layout's per-parameter folders yet
 
     def __init__(self, *args, moe, **kwargs):
         super().__init__(*args, **kwargs)

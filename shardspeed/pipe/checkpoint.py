@@ -57,6 +57,7 @@ class PipelineLayers(ModelStates):
     `stage` are the engine's; `placement.mp_rank` is the stage."""
 
     keys = (*ModelStates.keys, "pipeline")
+    reads_universal = False  # pipeline stages are not mapped onto the universal layout yet
 
     def __init__(self, *args, num_stages: int, stage: int, **kwargs):
         super().__init__(*args, **kwargs)

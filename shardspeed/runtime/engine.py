@@ -427,8 +427,9 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported")
         parts = self.checkpoint_parts()
         options = LoadOptions(
-            load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
-        )
+            load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+            universal=self._config.checkpoint.load_universal,
+        )  # fmt: skip
         return load_checkpoint(parts, self._checkpoint_placement(), load_dir, tag, options)
 
     def save_16bit_model(

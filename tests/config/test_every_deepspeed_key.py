@@ -94,6 +94,7 @@ HONOURED_BY = {
     "activation_checkpointing": "test_activation_checkpointing.py::test_configure_from_config_block_and_explicit_overrides",
     "pipeline": "test_pipe_parity.py::test_two_stages_one_replica",
     "checkpoint.tag_validation": "test_checkpoint_bad_input.py::test_bad_saves_fail_the_same_way_on_every_rank_and_keep_the_previous_checkpoint",
+    "checkpoint.load_universal": "test_universal_checkpoint.py::test_resume_from_universal_matches_uninterrupted_run",
     "aio": OFFLOAD,
     "sequence_parallel_size": "test_sequence_parallel.py::test_sp2_on_two_ranks_matches_one_process",
     "data_parallel_size": FEATURES,
