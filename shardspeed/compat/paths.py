@@ -70,9 +70,7 @@ PATHS: dict[str, object] = {
     "git_branch": "shardspeed.compat.mirrors.git_version_info:git_branch",
     "git_version_info": "shardspeed.compat.mirrors.git_version_info",
     "git_version_info_installed": "shardspeed.compat.mirrors.git_version_info",
-    "DeepSpeedHybridEngine": NotOffered(
-        "the hybrid engine (RLHF generate + train in one engine) is not built"
-    ),
+    "DeepSpeedHybridEngine": "shardspeed.runtime.hybrid_engine:HybridEngine",
     "DeepSpeedTransformerLayer": NotOffered(_KERNELS),
     "DeepSpeedTransformerConfig": NotOffered(_KERNELS),
     "replace_transformer_layer": NotOffered(_KERNELS),
@@ -259,9 +257,7 @@ PATHS: dict[str, object] = {
     "runtime.engine.DeepSpeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
     "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.core.optimizer_wrapper:OptimizerWrapper",
     "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
-    "runtime.hybrid_engine": NotOffered(
-        "the hybrid engine (RLHF generate + train in one engine) is not built", True
-    ),
+    "runtime.hybrid_engine.DeepSpeedHybridEngine": "shardspeed.runtime.hybrid_engine:HybridEngine",
     "runtime.data_pipeline": NotOffered("curriculum learning / data efficiency is not built", True),
     "runtime.comm.compressed": NotOffered("1-bit compressed communication is not built", True),
     "runtime.fp16.onebit": NotOffered("1-bit Adam/LAMB optimizers are not built", True),

@@ -135,6 +135,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "tensor_parallel.replace_with_kernel_inject",  # true is refused by the block itself
         "tensor_parallel.preset_model",  # ditto
         "compression_training",  # shardspeed/compression; the engine steps its scheduler
+        "hybrid_engine",  # runtime/hybrid_engine.py; the block refuses what it cannot honour
     }
 )
 
@@ -166,7 +167,6 @@ _REASONS: dict[str, str] = {
     "disable_allgather": "DeepSpeed parses it and never uses it; set to true it would do nothing here either",
     "managed_gradient_accumulation": "the script owning the accumulation boundary is not implemented; keep "
     "the default (true) and set gradient_accumulation_steps",
-    "hybrid_engine": "the hybrid training/generation engine (RLHF) is not implemented",
     "use_data_before_expert_parallelism": "expert-parallel groups are consecutive data-parallel ranks",
     "autotuning": "the autotuner is not implemented",
     "data_efficiency": "the data-efficiency library (curriculum sampling, random-LTD) is not implemented",

@@ -135,6 +135,10 @@ HONOURED_BY = {
     "zero_optimization.zero_quantized_nontrainable_weights": "test_zeropp_combos.py::test_frozen_weights_are_stored_as_int8_blocks_of_each_shard",
     # Removed in DeepSpeed 0.19, kept here with 0.18.9's keys; its sub-keys are checked in test_compression_config.py
     "compression_training": "test_compression_engine.py::test_deepspeed_0189_script_runs_unchanged",
+    "hybrid_engine": "test_hybrid_engine.py::test_generate_matches_the_unsharded_model_and_training_is_unchanged",
+    "hybrid_engine.max_out_tokens": "test_hybrid_engine.py::test_pin_parameters_release_inference_cache_and_max_out_tokens",
+    "hybrid_engine.release_inference_cache": "test_hybrid_engine.py::test_pin_parameters_release_inference_cache_and_max_out_tokens",
+    "hybrid_engine.pin_parameters": "test_hybrid_engine.py::test_pin_parameters_release_inference_cache_and_max_out_tokens",
 }
 
 
