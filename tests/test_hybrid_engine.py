@@ -107,6 +107,7 @@ def _generation_and_training(stage: int) -> dict:
     counter = _GatherCounter()
     engine.eval()
     out["initial"] = engine.generate(PROMPTS, max_new_tokens=6)
+    out["rollout is an inference tensor"] = out["initial"].is_inference()  # it could not be trained on
     out["initial reference"] = _unsharded_tokens(engine, 6)
     engine.train()
     losses = [_train_step(engine, 0), _train_step(engine, 1)]
@@ -186,6 +187,7 @@ def test_generate_matches_the_unsharded_model_and_training_is_unchanged(hybrid_r
                 stage
             )
             assert not case["training mode in eval"] and case["training mode in train"]
+            assert not case["rollout is an inference tensor"]
             assert case["losses"] == case["losses without generate"], stage  # exactly: same arithmetic
             assert case["module generate restored"]
         zero3 = out[3]

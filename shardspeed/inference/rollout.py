@@ -105,7 +105,10 @@ class RolloutGenerator:
                 mask = None
         decoder = self._decoder()
         try:
-            return generate_tokens(decoder, input_ids, mask, settings, self.max_out_tokens)
+            tokens = generate_tokens(decoder, input_ids, mask, settings, self.max_out_tokens)
+            # a copy made outside inference mode: rollouts are trained on next (an inference tensor cannot be
+            # saved for backward), as Hugging Face's generate, which runs under no_grad, allows
+            return tokens.clone()
         finally:
             self._keep_or_release(decoder)
 
