@@ -11,7 +11,10 @@ cache. Each round times, in turn on every rank:
 - `zero-unwrap`: the same engine inside `deepspeed.zero.unwrap_model_for_generation` (gathered once, hooks
   paused);
 - `per-token`: the same engine with its hooks on (TRL's `ds3_gather_for_generation=False`): every module
-  gathers its parameters for every new token (`synced_gpus=True`, as TRL passes).
+  gathers its parameters for every new token (`synced_gpus=True`, as TRL passes);
+- `hybrid`: a ZeRO-3 engine built with `hybrid_engine.enabled` (DeepSpeed-Chat's actor), `engine.generate`: one
+  gather per call, our KV-cache decode path (`max_new_tokens` only: `min_new_tokens` would hand the call to
+  the model's own generate; `same_tokens` says whether no row stopped early).
 Reports median tokens/s per variant, the ratio to `unsharded`, and whether every variant generated the
 unsharded model's tokens. Needs transformers, accelerate and trl (the [hf] extra) and the alias (staged here).
 Writes benchmarks/results/zero3_generation.{md,json}. A measurement, not a test: no assertion on time.
@@ -31,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-VARIANTS = ("unsharded", "trl-unwrap", "zero-unwrap", "per-token")
+VARIANTS = ("unsharded", "trl-unwrap", "zero-unwrap", "per-token", "hybrid")
 
 
 def _model(args):
@@ -64,6 +67,16 @@ def job(args) -> None:
     sharded = _model(args)
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
     engine, _ = accelerator.prepare(sharded, optimizer)
+    import deepspeed
+
+    actor = _model(args)
+    hybrid_config = {
+        **config,
+        "hybrid_engine": {"enabled": True, "max_out_tokens": args.prompt + args.new_tokens},
+    }
+    hybrid_engine, *_ = deepspeed.initialize(
+        model=actor, optimizer=torch.optim.AdamW(actor.parameters(), lr=1e-4), config=hybrid_config
+    )
     rank = dist.get_rank()
     prompt = torch.randint(
         2, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(rank)
@@ -90,7 +103,11 @@ def job(args) -> None:
     def per_token():
         return engine.module.generate(prompt, synced_gpus=True, **gen)
 
-    runs = dict(zip(VARIANTS, (unsharded, trl_unwrap, zero_unwrap, per_token)))
+    def hybrid():
+        hybrid_engine.eval()
+        return hybrid_engine.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
+
+    runs = dict(zip(VARIANTS, (unsharded, trl_unwrap, zero_unwrap, per_token, hybrid)))
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     outputs = {}
     with torch.no_grad():

@@ -17,6 +17,7 @@ from shardspeed.core.usage_errors import ArgumentUsageError
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.runtime.builders import check_config_blocks
 from shardspeed.runtime.engine import ShardspeedEngine
+from shardspeed.runtime.hybrid_engine import HybridEngine
 from shardspeed.runtime.pipeline_engine import PipelineEngine
 from shardspeed.runtime.tensor_parallel import merge_tp_model_init, prepare_tensor_parallel
 
@@ -131,8 +132,11 @@ def initialize(
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     import torch.distributed as dist
 
-    engine_class = ShardspeedEngine
+    engine_class = HybridEngine if cfg.hybrid_engine.enabled else ShardspeedEngine
     if isinstance(model, PipelineModule):  # as DeepSpeed: the pipeline engine, over the module's topology
+        if cfg.hybrid_engine.enabled:  # DeepSpeed builds a plain PipelineEngine and never generates
+            raise ConfigError("hybrid_engine.enabled: true cannot be combined with a PipelineModule (the "
+                              "hybrid engine generates with the whole model; a pipeline holds one stage)")  # fmt: skip
         engine_class = PipelineEngine
         if mpu is not None:
             raise ValueError(
@@ -153,7 +157,7 @@ def initialize(
     if world != cfg.world_size:
         cfg = load_config(cfg, world_size=world)  # the batch triple re-resolved from the same dict
         _check_data_parallel_size(cfg)
-    if engine_class is not ShardspeedEngine:
+    if engine_class is PipelineEngine:
         mpu = None  # the pipeline engine takes the grid from the module
     engine = engine_class(
         model,

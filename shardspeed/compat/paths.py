@@ -65,9 +65,7 @@ PATHS: dict[str, object] = {
     "git_branch": "shardspeed.compat.mirrors.git_version_info:git_branch",
     "git_version_info": "shardspeed.compat.mirrors.git_version_info",
     "git_version_info_installed": "shardspeed.compat.mirrors.git_version_info",
-    "DeepSpeedHybridEngine": NotOffered(
-        "the hybrid engine (RLHF generate + train in one engine) is not built"
-    ),
+    "DeepSpeedHybridEngine": "shardspeed.runtime.hybrid_engine:HybridEngine",
     "DeepSpeedTransformerLayer": NotOffered(_KERNELS),
     "DeepSpeedTransformerConfig": NotOffered(_KERNELS),
     "replace_transformer_layer": NotOffered(_KERNELS),
@@ -275,9 +273,7 @@ PATHS: dict[str, object] = {
     "runtime.engine.DeepSpeedEngine": "shardspeed.runtime.engine:ShardspeedEngine",
     "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.core.optimizer_wrapper:OptimizerWrapper",
     "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
-    "runtime.hybrid_engine": NotOffered(
-        "the hybrid engine (RLHF generate + train in one engine) is not built", True
-    ),
+    "runtime.hybrid_engine.DeepSpeedHybridEngine": "shardspeed.runtime.hybrid_engine:HybridEngine",
     # -- deepspeed.runtime.data_pipeline: curriculum learning and random-LTD (shardspeed/data_pipeline) ---------
     "runtime.data_pipeline": "shardspeed.data_pipeline",
     "runtime.data_pipeline.constants": "shardspeed.compat.mirrors.data_pipeline_constants",

@@ -222,22 +222,51 @@ class PipelineConfig:
 
 @dataclass(kw_only=True)
 class HybridEngineConfig:
-    """``hybrid_engine``: switch between training and fast generation (RLHF)."""
+    """``hybrid_engine``: one engine that trains and generates (RLHF actors; runtime/hybrid_engine.py).
+
+    ``generate`` gathers a ZeRO-3 model once per call and decodes on the inference package's KV-cache path.
+    What DeepSpeed does with its inference kernels and tensor slicing that has no counterpart here is refused
+    by name (see ``validate``)."""
 
     enabled: bool = False
-    """Use the hybrid engine. Default false."""
+    """``deepspeed.initialize`` returns the hybrid engine (``DeepSpeedHybridEngine``). Default false."""
     max_out_tokens: PositiveInt = 512
-    """Longest generation. Default 512."""
+    """Tokens one generated sequence may hold, prompt included: the KV cache's length; a longer request is
+    refused naming this key. Default 512."""
     inference_tp_size: PositiveInt = 1
-    """Tensor-parallel degree for generation. Default 1."""
+    """Tensor-parallel degree of generation. Only 1: every data-parallel rank generates its own batch with
+    the whole (gathered) model. Default 1."""
     release_inference_cache: bool = False
-    """Free the KV cache after generation. Default false."""
+    """Free the KV cache after every ``generate`` (true), or keep it for the next call of the same batch
+    size (false: no re-allocation per rollout). Default false."""
     pin_parameters: bool = True
-    """Pin gathered parameters. Default true."""
+    """ZeRO-3: gather every parameter once per ``generate`` and keep it for the whole call (true), or
+    gather layer by layer for every token through the model's own ``generate`` (false: the memory of one
+    layer at a time, one gather per layer per token). Default true."""
     tp_gather_partition_size: PositiveInt = 8
-    """Partition size when gathering for tensor parallelism. Default 8."""
+    """Layers gathered together while splitting them for ``inference_tp_size`` > 1; only its default, as
+    tensor-parallel generation is not built. Default 8."""
     enable_cuda_graph: bool = False
-    """Capture generation in CUDA graphs. Default false."""
+    """Capture decode steps in CUDA graphs; only false (not built). Default false."""
+
+    def validate(self, path: str) -> None:
+        if self.inference_tp_size != 1:
+            raise ConfigError(
+                f"{join(path, 'inference_tp_size')}: {self.inference_tp_size} is not supported by shardspeed "
+                "(tensor-parallel generation inside the hybrid engine is not built: each data-parallel rank "
+                "generates its own batch with the whole model gathered); remove the key or set it 1"
+            )
+        if self.tp_gather_partition_size != 8:
+            raise ConfigError(
+                f"{join(path, 'tp_gather_partition_size')}: {self.tp_gather_partition_size} is not supported "
+                "by shardspeed (DeepSpeed reads it only to split layers for inference_tp_size > 1, which is not "
+                "built); remove the key or set its default 8"
+            )
+        if self.enable_cuda_graph:
+            raise ConfigError(
+                f"{join(path, 'enable_cuda_graph')}: true is not supported by shardspeed (decode steps are "
+                "not captured in CUDA graphs); remove the key or set it false"
+            )
 
 
 @dataclass(kw_only=True)

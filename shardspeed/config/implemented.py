@@ -159,6 +159,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         # `deepspeed --autotuning` (shardspeed/autotuning) and the engine's profiled exit (runtime/autotuning_probe.py);
         # model_info, model_info_path and tuner_type "model_based" are refused by the block itself
         "autotuning",
+        "hybrid_engine",  # runtime/hybrid_engine.py; the block refuses what it cannot honour
     }
 )
 
@@ -190,7 +191,6 @@ _REASONS: dict[str, str] = {
     "disable_allgather": "DeepSpeed parses it and never uses it; set to true it would do nothing here either",
     "managed_gradient_accumulation": "the script owning the accumulation boundary is not implemented; keep "
     "the default (true) and set gradient_accumulation_steps",
-    "hybrid_engine": "the hybrid training/generation engine (RLHF) is not implemented",
     "use_data_before_expert_parallelism": "expert-parallel groups are consecutive data-parallel ranks",
     "data_efficiency.data_sampling.dynamic_batching": "dynamic batching (variable batch size and LR scaling) "
     "is not implemented; batches have train_micro_batch_size_per_gpu samples",

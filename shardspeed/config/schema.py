@@ -190,7 +190,7 @@ class ShardspeedConfig:
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
     """Autotuner."""
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
-    """Hybrid training/generation engine."""
+    """Hybrid training/generation engine (DeepSpeed-Chat's actor): `generate` from the engine being trained."""
     data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
     """Data efficiency library: curriculum sampling and random-LTD (shardspeed/data_pipeline)."""
     curriculum_learning: LegacyCurriculumConfig = field(default_factory=LegacyCurriculumConfig)

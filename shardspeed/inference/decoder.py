@@ -111,7 +111,10 @@ class FastDecoder:
             return False
         return hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
 
-    def __init__(self, model):
+    def __init__(self, model, fuse: bool = True):
+        """``fuse=False`` leaves the model's parameters as they are (a training model's, which an optimizer
+        and ZeRO hold by identity): q/k/v and gate/up then run as separate matmuls, each reading its weight
+        at the call (the hybrid engine decodes that way)."""
         self.model = model
         inner = model.model
         self.embed = inner.embed_tokens
@@ -128,15 +131,18 @@ class FastDecoder:
         # Per layer: q/k/v in one matmul and gate/up in one where the modules allow it (fusion.py).
         self.qkv = [
             fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            if fuse
+            else None
             for layer in self.layers
         ]
         self.gate_up = [
             fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
-            if all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            if fuse and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             else None
             for layer in self.layers
         ]
         self.cache: StaticKVCache | None = None
+        self.keep_cache = False  # True: release() keeps the cache for the next prefill of the same shape
         self._positions: torch.Tensor | None = None
         self.input_norms = [_rms_norm(layer.input_layernorm) for layer in self.layers]
         self.post_norms = [_rms_norm(layer.post_attention_layernorm) for layer in self.layers]
@@ -242,8 +248,12 @@ class FastDecoder:
     # ---- generate's protocol (a fixed batch over a StaticKVCache) ------------------------------------
     def prefill(self, input_ids, attention_mask, max_len: int):
         batch, steps = input_ids.shape
-        self.cache = StaticKVCache(batch=batch, max_len=max_len, dtype=self.dtype, device=self.device,
-                                   **self.cache_spec())  # fmt: skip
+        kept = self.cache
+        if kept is not None and kept.fits(batch, max_len, self.dtype, self.device, **self.cache_spec()):
+            kept.reset()
+        else:
+            self.cache = StaticKVCache(batch=batch, max_len=max_len, dtype=self.dtype, device=self.device,
+                                       **self.cache_spec())  # fmt: skip
         if attention_mask is None:
             positions = torch.arange(steps, device=input_ids.device).expand(batch, steps)
         else:
@@ -262,7 +272,8 @@ class FastDecoder:
         return logits[:, -1]
 
     def release(self) -> None:
-        self.cache = None
+        if not self.keep_cache:
+            self.cache = None
 
 
 class ModelDecoder:

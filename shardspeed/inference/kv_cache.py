@@ -36,6 +36,23 @@ class StaticKVCache:
         self._step = 0
         self._has_padding = False
 
+    def fits(self, batch, max_len, dtype, device, *, num_layers, kv_heads, head_dim) -> bool:
+        """Whether a generate of this shape can reuse this cache (the hybrid engine keeps one between calls)."""
+        keys = self.keys[0] if self.keys else None
+        shape = (batch, kv_heads, max_len, head_dim)
+        return (
+            keys is not None and len(self.keys) == num_layers and tuple(keys.shape) == shape
+            and keys.dtype == dtype and keys.device == torch.device(device)
+        )  # fmt: skip
+
+    def reset(self) -> None:
+        """Empty the cache for a new batch, keeping its buffers (stale keys are never read: ``length`` is 0)."""
+        self.length = 0
+        self.key_valid.fill_(True)
+        self._mask = None
+        self._step = 0
+        self._has_padding = False
+
     def begin_step(self, num_tokens: int, padding_mask: torch.Tensor | None = None) -> None:
         """Announce a step of ``num_tokens`` per row; ``padding_mask`` [batch, num_tokens] marks real tokens."""
         start, end = self.length, self.length + num_tokens

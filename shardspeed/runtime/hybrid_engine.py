@@ -1,0 +1,83 @@
+"""The hybrid engine: one engine that trains a policy and generates its rollouts (DeepSpeed's
+``DeepSpeedHybridEngine``; ``initialize`` returns it when ``hybrid_engine.enabled``).
+
+It is the training engine plus one part, the ``RolloutGenerator`` (inference/rollout.py), which owns
+generation; this module only wires the two together:
+
+* ``generate(...)`` (and the module's own ``generate``, which DeepSpeed-Chat calls as
+  ``engine.module.generate``) goes to the part. Under ZeRO-3 the part makes the weights whole through
+  ``zero.unwrap_model_for_generation`` (every parameter unit gathered once, hooks paused) and lets go of them
+  when the call returns: training continues partitioned, from the same weights and optimizer state.
+* every rank starts with rank 0's random state, as DeepSpeed's hybrid engine does, so sampled rollouts
+  draw the same random numbers on every rank.
+* ``eval()`` / ``train()`` switch the module as usual; ``eval()`` also logs, on rank 0, the time since the
+  previous ``eval()`` and how the last ``generate`` split between gathering and decoding (DeepSpeed prints
+  the same breakdown there).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch.distributed as dist
+
+from shardspeed.accelerator import get_accelerator
+from shardspeed.inference.rollout import RolloutGenerator
+from shardspeed.runtime.engine import ShardspeedEngine
+from shardspeed.utils.logging import log_dist
+from shardspeed.zero.api import unwrap_model_for_generation
+
+__all__ = ["HybridEngine"]
+
+
+class HybridEngine(ShardspeedEngine):
+    """``DeepSpeedHybridEngine``: the training engine with ``generate`` (see the module docstring)."""
+
+    def __init__(self, model, config, **kwargs):
+        super().__init__(model, config, **kwargs)
+        _same_random_state_as_rank0(self.dp_group)
+        settings = config.hybrid_engine
+        self.Z3_enabled = self.zero_optimization_stage() == 3  # DeepSpeed's attribute names
+        self.gather_all_layers = settings.pin_parameters
+        own_generate = getattr(type(self.module), "generate", None)
+        self.rollout = RolloutGenerator(
+            self.module,
+            max_out_tokens=settings.max_out_tokens,
+            release_cache=settings.release_inference_cache,
+            model_generate=own_generate.__get__(self.module) if own_generate is not None else None,
+            gathered=functools.partial(unwrap_model_for_generation, self),
+            per_layer=self.Z3_enabled and not settings.pin_parameters,
+        )
+        # DeepSpeed-Chat generates through `actor_engine.module.generate(...)`: that is this engine's generate
+        self.module.generate = self.generate
+        self._eval_started: float | None = None
+
+    def generate(self, *inputs, **kwargs):
+        """Hugging Face ``generate``'s arguments and result; under ZeRO-3 one gather for the whole call."""
+        return self.rollout.generate(*inputs, **kwargs)
+
+    def eval(self):
+        now = time.perf_counter()
+        if self._eval_started is not None and self.global_rank == 0 and self.rollout.calls:
+            log_dist(
+                f"hybrid engine: {now - self._eval_started:.2f}s since the previous eval(); last generate: "
+                f"gather {self.rollout.last_gather_seconds:.3f}s, decode {self.rollout.last_generate_seconds:.3f}s"
+            )
+        self._eval_started = now
+        return super().eval()
+
+    def destroy(self) -> None:
+        self.module.__dict__.pop("generate", None)  # the module's own generate again
+        self.rollout.release()
+        super().destroy()
+
+
+def _same_random_state_as_rank0(group) -> None:
+    """Every rank takes rank 0's device random state (one small broadcast at construction)."""
+    accelerator = get_accelerator()
+    state = accelerator.get_rng_state()
+    on_device = state.to(accelerator.current_device_name())  # NCCL broadcasts device tensors only
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(on_device, src=src, group=group)
+    accelerator.set_rng_state(on_device.cpu())

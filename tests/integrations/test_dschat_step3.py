@@ -1,0 +1,30 @@
+"""DeepSpeed-Chat's step-3 loop (actor on the hybrid engine, critic, reference and reward engines) on 2 ranks,
+tiny Llama and OPT models built from configs (dschat_step3_job.py). The actor is a `DeepSpeedHybridEngine`; its
+first rollouts (left-padded prompts, `actor.module.generate(..., synced_gpus=True)` at ZeRO-3) equal Hugging
+Face's `generate` on the unsharded actor; at ZeRO-3 every rollout and loss equals ZeRO-2's (fp32).
+Needs the [hf] extra (transformers); skipped without it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
+
+from .jobs import run_job
+
+RUNS = ["llama:3", "llama:2", "opt:3", "opt:2"]
+
+
+def test_dschat_step3_loop_with_the_hybrid_engine(tmp_path):
+    results = run_job("dschat_step3_job.py", tmp_path, "--runs", *RUNS, "--steps", "2")
+    for run in RUNS:
+        out = results[run]
+        assert out["is DeepSpeedHybridEngine"] and out["actor class"][0] == "HybridEngine", run
+        assert out["first rollouts equal HF generate"], run
+        assert len(out["actor_loss"]) == 2 and len(out["critic_loss"]) == 2
+    for family in ("llama", "opt"):
+        zero3, zero2 = results[f"{family}:3"], results[f"{family}:2"]
+        assert zero3["seq"] == zero2["seq"]  # the second step's rollouts come from the updated actor
+        assert zero3["actor_loss"] == pytest.approx(zero2["actor_loss"], abs=1e-5)
+        assert zero3["critic_loss"] == pytest.approx(zero2["critic_loss"], abs=1e-5)
