@@ -88,6 +88,11 @@ PATHS: dict[str, object] = {
     "autotuning.tuner.cost_model": NotOffered(
         "the model-based tuner (an XGBoost cost model) is not built; tuner_type gridsearch or random", True
     ),
+    "autotuning.tuner.utils": NotOffered(
+        "the model-based tuner's feature encoding (index_to_feature, dict_to_feature, ...) is not built; the "
+        "search's own helpers are shardspeed.autotuning.dicts (all_combinations, get_val_by_key, ...)",
+        True,
+    ),
     "elasticity": NotOffered("elastic training (the `elasticity` block) is not built", True),
     "compile": NotOffered(
         "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module", True

@@ -32,6 +32,7 @@ TOOLS = {
     "ds_ssh": "shardspeed.tools.ssh_all",
     "ds_report": "shardspeed.launcher.report",
     "deepspeed": "shardspeed.launcher.runner",
+    "ds_to_universal": "shardspeed.checkpoint.to_universal",
 }
 
 
