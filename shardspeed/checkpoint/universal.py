@@ -27,6 +27,7 @@ import torch
 
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.named_values import SlicedValues, numel
 
 __all__ = ["CheckpointReader", "resolve_tag_dir"]
 
@@ -58,14 +59,7 @@ def _load_mapped(path: Path) -> dict:
     return files.read_checkpoint(path, mmap=True)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-class CheckpointReader:
+class CheckpointReader(SlicedValues):
     """A checkpoint presented by parameter name, whatever stage and world size wrote it.
 
     `model_states` may pass the already loaded model-states file (the engine has read it) to skip a re-read.
@@ -149,7 +143,7 @@ class CheckpointReader:
 
     def _check_layout(self, layout: dict, index: int) -> None:
         where = f"{self._rank_path(0)}, bucket {index}"
-        numels = [_numel(s) for s in layout["shapes"]]
+        numels = [numel(s) for s in layout["shapes"]]
         offsets = [sum(numels[:i]) for i in range(len(numels))]
         if list(layout["offsets"]) != offsets or layout["numel"] != sum(numels):
             raise CheckpointError(
@@ -210,17 +204,6 @@ class CheckpointReader:
 
     # -- what the checkpoint holds --------------------------------------------------------------------------
 
-    def param_names(self) -> list[str]:
-        """Every parameter (trainable and frozen, tied ones once), in the model's order."""
-        return list(self._shapes)
-
-    def param_shapes(self) -> dict[str, torch.Size]:
-        return dict(self._shapes)
-
-    def shape(self, name: str) -> torch.Size:
-        self._check_name(name)
-        return self._shapes[name]
-
     def frozen_param_names(self) -> list[str]:
         return list(self._model.get("frozen_param_names", []))
 
@@ -273,22 +256,6 @@ class CheckpointReader:
 
     # -- values ---------------------------------------------------------------------------------------------
 
-    def _check_name(self, name: str) -> None:
-        if name not in self._shapes:
-            raise KeyError(f"{name!r} is not a parameter of checkpoint {self.path}")
-
-    def fp32(self, name: str) -> torch.Tensor:
-        """The full fp32 value of parameter `name` (the master weight when trained in fp16/bf16)."""
-        return self.fp32_slice(name, 0, _numel(self.shape(name))).view(self._shapes[name])
-
-    def fp32_slice(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the flattened fp32 value of `name`, as a new 1-D tensor."""
-        return self._slice(name, lo, hi).float()
-
-    def frozen(self, name: str) -> torch.Tensor:
-        """The saved value of a parameter, in the dtype it was trained in (for frozen parameters)."""
-        return self._slice(name, 0, _numel(self.shape(name))).view(self._shapes[name])
-
     def _slice(self, name: str, lo: int, hi: int) -> torch.Tensor:
         self._check_name(name)
         if name in self._locations:
@@ -336,7 +303,7 @@ class CheckpointReader:
     def optimizer_state(self, name: str) -> dict:
         """`name`'s optimizer state: per-element tensors (e.g. exp_avg) full and parameter-shaped, scalar
         state (e.g. step) copied. Empty when the checkpoint has none for it."""
-        elements, scalars = self.optimizer_state_slice(name, 0, _numel(self.shape(name)))
+        elements, scalars = self.optimizer_state_slice(name, 0, numel(self.shape(name)))
         return {**scalars, **{k: v.view(self._shapes[name]) for k, v in elements.items()}}
 
     def optimizer_state_slice(self, name: str, lo: int, hi: int) -> tuple[dict, dict]:
@@ -358,9 +325,9 @@ class CheckpointReader:
         bucket, index = self._locations[name]
         layout = self._layouts[bucket]
         shard = layout["shard_numel"]
-        numel = _numel(self._shapes[name])
+        count = numel(self._shapes[name])
         # Scalar state and the list of keys come from the rank holding the parameter's first wanted element.
-        first = layout["offsets"][index] + min(lo, max(numel - 1, 0))
+        first = layout["offsets"][index] + min(lo, max(count - 1, 0))
         held = self._rank_file(first // shard if shard else 0)["optimizer_states"][bucket]
         elements, scalars = {}, {}
         for key, value in held.items():

@@ -29,13 +29,13 @@ its ZeRO stage enum) are read as plain records, running none of DeepSpeed's code
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import torch
 
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.named_values import NamedParameters, numel
 from shardspeed.utils.logging import log_dist
 
 __all__ = [
@@ -124,10 +124,6 @@ def read_record_file(path: Path):
         ) from err
 
 
-def _numel(shape) -> int:
-    return math.prod(int(d) for d in shape)
-
-
 def _saved_shapes(model: dict) -> dict[str, torch.Size]:
     """Every parameter's shape the model-states file records: ours (a dict) or DeepSpeed's (a list of dicts
     per optimizer group, and `frozen_param_shapes`)."""
@@ -138,12 +134,14 @@ def _saved_shapes(model: dict) -> dict[str, torch.Size]:
     return shapes
 
 
-class UniversalFolderReader:
+class UniversalFolderReader(NamedParameters):
     """A universal checkpoint folder presented by parameter name, with `CheckpointReader`'s interface.
 
     Values are whole: the folder holds every parameter in full, so any world size and stage slices what it
     needs. `check()` (run by the constructor) reads every file's header, memory-mapped, before any load.
     """
+
+    _described_as = "universal checkpoint"
 
     mp_rank = 0
 
@@ -233,7 +231,7 @@ class UniversalFolderReader:
                 )
             if shape is None:
                 shape = value.shape
-            if value.numel() != _numel(shape) or (value.dim() > 1 and value.shape != shape):
+            if value.numel() != numel(shape) or (value.dim() > 1 and value.shape != shape):
                 raise CheckpointError(
                     f"{folder / f'{key}.pt'} holds a tensor of shape {tuple(value.shape)}, expected "
                     f"{tuple(shape)} (parameter {name!r})"
@@ -244,16 +242,6 @@ class UniversalFolderReader:
         return tuple(keys)
 
     # -- what the checkpoint holds (CheckpointReader's interface) ---------------------------------------------
-
-    def param_names(self) -> list[str]:
-        return list(self._shapes)
-
-    def param_shapes(self) -> dict[str, torch.Size]:
-        return dict(self._shapes)
-
-    def shape(self, name: str) -> torch.Size:
-        self._check_name(name)
-        return self._shapes[name]
 
     def frozen_param_names(self) -> list[str]:
         saved = self._model.get("frozen_param_names")
@@ -306,10 +294,6 @@ class UniversalFolderReader:
 
     # -- values ---------------------------------------------------------------------------------------------
 
-    def _check_name(self, name: str) -> None:
-        if name not in self._shapes:
-            raise KeyError(f"{name!r} is not a parameter of universal checkpoint {self.path}")
-
     def _value(self, name: str, key: str) -> torch.Tensor:
         return self._values[name][key].reshape(-1)
 
@@ -338,7 +322,7 @@ class UniversalFolderReader:
         return first.get(STEP) if isinstance(first, dict) else None
 
     def optimizer_state(self, name: str) -> dict:
-        elements, scalars = self.optimizer_state_slice(name, 0, _numel(self.shape(name)))
+        elements, scalars = self.optimizer_state_slice(name, 0, numel(self.shape(name)))
         return {**scalars, **{k: v.view(self._shapes[name]) for k, v in elements.items()}}
 
     def optimizer_state_slice(self, name: str, lo: int, hi: int) -> tuple[dict, dict]:

@@ -21,18 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Piece", "Zero3Layout", "Zero12Layout", "numel"]
+from shardspeed.checkpoint.named_values import numel
+
+__all__ = ["Piece", "Zero3Layout", "Zero12Layout"]
 
 # DeepSpeed aligns each ZeRO-1/2 group to this many elements per rank (4 bytes of a 16-bit element: NCCL's
 # start alignment), whatever the dtype.
 _ALIGNMENT_PER_RANK = 2
-
-
-def numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import torch
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint.deepspeed_format import layout as layouts
 from shardspeed.checkpoint.deepspeed_format import pickled
-from shardspeed.checkpoint.deepspeed_format.layout import numel
 from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.named_values import SlicedValues, numel
 
 __all__ = [
     "SUPPORTED_VERSIONS",
@@ -99,7 +99,7 @@ def _zero_stage(path: Path, state: dict) -> int:
     return int(stage)
 
 
-class DeepSpeedCheckpointReader:
+class DeepSpeedCheckpointReader(SlicedValues):
     """A DeepSpeed 0.19 checkpoint (ZeRO stage 0-3, fp32/bf16/fp16) by parameter name.
 
     `tag_dir` is the tag folder; `model_states` may pass its already-read model-states dict."""
@@ -305,16 +305,6 @@ class DeepSpeedCheckpointReader:
 
     # -- what the checkpoint holds (CheckpointReader's interface) ------------------------------------------
 
-    def param_names(self) -> list[str]:
-        return list(self._shapes)
-
-    def param_shapes(self) -> dict[str, torch.Size]:
-        return dict(self._shapes)
-
-    def shape(self, name: str) -> torch.Size:
-        self._check_name(name)
-        return self._shapes[name]
-
     def frozen_param_names(self) -> list[str]:
         return list(self._frozen_shapes)
 
@@ -371,19 +361,6 @@ class DeepSpeedCheckpointReader:
         }
 
     # -- values ---------------------------------------------------------------------------------------------
-
-    def _check_name(self, name: str) -> None:
-        if name not in self._shapes:
-            raise KeyError(f"{name!r} is not a parameter of checkpoint {self.path}")
-
-    def fp32(self, name: str) -> torch.Tensor:
-        return self.fp32_slice(name, 0, numel(self.shape(name))).view(self._shapes[name])
-
-    def fp32_slice(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        return self._slice(name, lo, hi).float()
-
-    def frozen(self, name: str) -> torch.Tensor:
-        return self._slice(name, 0, numel(self.shape(name))).view(self._shapes[name])
 
     def _slice(self, name: str, lo: int, hi: int) -> torch.Tensor:
         self._check_name(name)
