@@ -116,7 +116,9 @@ def test_deepspeed_writes_shardspeed_resumes(tmp_path):
 def _zero_to_fp32_script() -> str:
     """The zero_to_fp32.py of DeepSpeed's install (which DeepSpeed copies into its checkpoint folders)."""
     find = "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('deepspeed').origin))"
-    done = subprocess.run([DEEPSPEED_PYTHON, "-c", find], capture_output=True, text=True, check=True)
+    # DeepSpeed's own package, never the alias a PYTHONPATH may put first
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([DEEPSPEED_PYTHON, "-c", find], capture_output=True, text=True, check=True, env=env)
     return os.path.join(done.stdout.strip(), "utils", "zero_to_fp32.py")
 
 
