@@ -18,10 +18,10 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
-import os
 import sys
 
 import shardspeed
+from shardspeed.compat.alias_guard import refuse_real_package
 
 ALIAS = "deepspeed"
 ALIAS_MARKER = "shardspeed-deepspeed-alias"  # found in another copy of this file: not a conflict
@@ -38,27 +38,6 @@ __version_major__, __version_minor__, __version_patch__ = (
 __git_hash__ = shardspeed.__git_hash__
 __git_branch__ = shardspeed.__git_branch__
 __path__: list[str] = []  # submodules come only from the finder below, never from files next to this one
-
-
-def _refuse_real_deepspeed() -> None:
-    """Raise if another `deepspeed` package (the real one) is also on sys.path."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    others = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    spec = importlib.machinery.PathFinder.find_spec(ALIAS, others)
-    if spec is None or not spec.origin or os.path.realpath(spec.origin) == os.path.realpath(__file__):
-        return
-    try:
-        with open(spec.origin, encoding="utf-8", errors="replace") as handle:
-            if ALIAS_MARKER in handle.read(8192):
-                return  # another copy of this alias (installed, and staged on PYTHONPATH): harmless
-    except OSError:
-        pass
-    raise ImportError(
-        f"two packages named 'deepspeed' are importable: the shardspeed alias ({__file__}) and another "
-        f"one at {spec.origin} (probably DeepSpeed itself). Remove one: `pip uninstall deepspeed` removes "
-        f"whichever is installed in this environment; reinstall the alias with "
-        f"`pip install ./integrations/deepspeed-alias` from the shardspeed repository"
-    )
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -109,6 +88,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(dir(shardspeed)))
 
 
-_refuse_real_deepspeed()
+refuse_real_package(ALIAS, __file__, ALIAS_MARKER, "DeepSpeed itself")
 if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, _AliasFinder())

@@ -17,10 +17,10 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
-import os
 import sys
 import types
 
+from shardspeed.compat.alias_guard import refuse_real_package
 from shardspeed.compat.fairscale_paths import FAIRSCALE_PATHS, FAIRSCALE_VERSION
 from shardspeed.compat.not_offered import NotOffered, not_offered_class
 
@@ -114,26 +114,6 @@ def __getattr__(name: str):
     return value
 
 
-def _refuse_real_fairscale() -> None:
-    """Raise if another `fairscale` package (the real one) is also on sys.path."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    others = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    spec = importlib.machinery.PathFinder.find_spec(ALIAS, others)
-    if spec is None or not spec.origin or os.path.realpath(spec.origin) == os.path.realpath(__file__):
-        return
-    try:
-        with open(spec.origin, encoding="utf-8", errors="replace") as handle:
-            if ALIAS_MARKER in handle.read(8192):
-                return  # another copy of this alias: harmless
-    except OSError:
-        pass
-    raise ImportError(
-        f"two packages named 'fairscale' are importable: the shardspeed alias ({__file__}) and another one "
-        f"at {spec.origin} (probably FairScale itself). Remove one: `pip uninstall fairscale` removes "
-        "whichever is installed in this environment"
-    )
-
-
-_refuse_real_fairscale()
+refuse_real_package(ALIAS, __file__, ALIAS_MARKER, "FairScale itself")
 if not any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, _AliasFinder())
