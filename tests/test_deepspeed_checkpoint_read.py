@@ -5,7 +5,7 @@ DeepSpeed's tag folders after 3 steps of run_script.py at 2 ranks, ZeRO stage 0-
 DeepSpeed's uninterrupted run recorded for the 3 steps after the save (losses, final fp32 weights, counters).
 Here shardspeed's `engine.load_checkpoint` resumes from each and trains those 3 steps: the same world size and
 stage, and also another world size (1 and 4 ranks: DeepSpeed itself would need ds_to_universal) and another
-stage. Tolerances: fp32 1e-6; bf16 (16-bit forward and gradients) 1e-2 on losses and weights.
+stage. Tolerances: fp32 1e-6; bf16 (16-bit forward and gradients) 4e-3 on losses and weights (one bf16 step at 1).
 """
 
 import shutil
@@ -16,7 +16,7 @@ import torch
 from harness import error_text, run_ranks
 
 FIXTURES = Path(__file__).resolve().parent / "deepspeed_interop" / "fixtures"
-TOLERANCE = {"fp32": 1e-6, "bf16": 1e-2}
+TOLERANCE = {"fp32": 1e-6, "bf16": 4e-3}  # bf16: one rounding step (2**-8) at magnitude 1; measured <= 9.9e-4
 
 
 def _resume(cases: list) -> dict:

@@ -13,7 +13,7 @@ these tests skip; with it, any failure of DeepSpeed's runs fails them.
    the weights shardspeed's consolidation gives.
 
 Losses and final weights are compared with the writing library's uninterrupted run: fp32 within 1e-6, bf16
-within 1e-2.
+within 4e-3 (one bf16 rounding step at magnitude 1).
 """
 
 import json
@@ -31,7 +31,7 @@ TESTS = Path(__file__).resolve().parents[1]
 
 SCRIPT = TESTS / "deepspeed_interop" / "run_script.py"
 CASES = [(stage, dtype) for dtype in ("fp32", "bf16") for stage in range(4)]
-TOLERANCE = {"fp32": 1e-6, "bf16": 1e-2}
+TOLERANCE = {"fp32": 1e-6, "bf16": 4e-3}  # bf16: one rounding step (2**-8) at magnitude 1; measured <= 9.9e-4
 DEEPSPEED_PYTHON = os.environ.get("DEEPSPEED_PYTHON")
 
 pytestmark = pytest.mark.skipif(
