@@ -51,6 +51,11 @@ def _rank(rank: int, port: int, args: dict, tree: str | None, out) -> None:
     if tree:  # another checkout's library for every shardspeed row (this checkout's benchmarks stay loaded)
         sys.path.insert(0, tree)
 
+    # The launcher's environment contract: DeepSpeed's rows read LOCAL_RANK and adopt the process group
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    for name in args["systems"]:
+        os.environ.update(dict(SYSTEMS[name].env))  # e.g. DS_ACCELERATOR=cpu, before DeepSpeed is imported
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     spec = MODELS[args["model"]]
