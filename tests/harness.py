@@ -15,6 +15,7 @@ server's own environment is the one it started with).
 
 from __future__ import annotations
 
+import atexit
 import io
 import multiprocessing as mp
 import os
@@ -66,6 +67,9 @@ def _child(fn, rank: int, world_size: int, port: int, args, results, environ: di
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        # A forked process ends with os._exit, which skips atexit; a launched rank (and a spawned one) runs
+        # it, and shardspeed's end-of-process clean-up (swap folders) lives there.
+        atexit._run_exitfuncs()
 
 
 def error_text(fn) -> str:
