@@ -29,10 +29,16 @@ def _config(stage: int, precision: str, gas: int) -> dict:
     return base_config(gradient_accumulation_steps=gas, zero_optimization=zero, **PRECISIONS[precision])
 
 
+def _precisions(world: int) -> tuple[str, ...]:
+    # fp16/bf16 compare stages with each other, which 2 ranks prove; 4 ranks add the uneven partitions, in fp32
+    # against one process
+    return tuple(PRECISIONS) if world == 2 else ("fp32",)
+
+
 def _all_cases(world: int) -> dict:
     results = {}
     for gas in (1, 2):
-        for precision in PRECISIONS:
+        for precision in _precisions(world):
             for stage in (0, 1, 2, 3):
                 results[(stage, precision, gas)] = engine_run(
                     _config(stage, precision, gas), world, STEPS, 0, OPTIONS
@@ -53,7 +59,7 @@ def test_zero_stages_match_reference(world):
                     results[(stage, "fp32", gas)]["params"]["pos"],
                     ranks[0][(0, "fp32", gas)]["params"]["pos"],
                 )
-            for precision in ("fp16", "bf16"):
+            for precision in _precisions(world)[1:]:
                 # Same arithmetic as stage 0 but for the order of cross-rank sums and, in bf16, gradients
                 # accumulated and reduced in bf16 (as DeepSpeed's ZeRO does) instead of fp32: the parameters
                 # agree to about one ulp of the training dtype (measured: fp16 <= 1.0e-3, bf16 <= 7.8e-3).
