@@ -11,6 +11,7 @@ stage. Tolerances: fp32 1e-6; bf16 (16-bit forward and gradients) 4e-3 on losses
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from harness import error_text, run_ranks
@@ -54,9 +55,23 @@ def _compare(results: dict) -> list[str]:
 ALL = [f"s{stage}-{dtype}" for dtype in ("fp32", "bf16") for stage in range(4)]
 
 
-def test_resume_at_the_same_world_size_and_stage():
-    results = run_ranks(_resume, 2, [(f, int(f[1])) for f in ALL], timeout=300)[0]
-    assert _compare(results) == []
+def _two_ranks(cases: list, folders: dict) -> tuple[dict, dict]:
+    """One 2-rank process group for both 2-rank tests (a spawn and its imports cost more than the loads)."""
+    return _resume(cases), _load_errors(folders)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list:
+    """Per rank: (resumed at 2 ranks from every fixture at its own stage, each BAD copy's load error)."""
+    tmp = tmp_path_factory.mktemp("bad")
+    folders = {
+        kind: _damaged(tmp / kind.replace(" ", "_"), "s2-fp32", damage) for kind, (damage, _) in BAD.items()
+    }
+    return run_ranks(_two_ranks, 2, [(f, int(f[1])) for f in ALL], folders, timeout=300)
+
+
+def test_resume_at_the_same_world_size_and_stage(two_ranks):
+    assert _compare(two_ranks[0][0]) == []
 
 
 def test_resume_at_one_rank_and_another_stage():
@@ -153,15 +168,10 @@ def _load_errors(folders: dict) -> dict:
     return {kind: _load_error(folder) for kind, folder in folders.items()}
 
 
-def test_bad_deepspeed_checkpoint_is_refused_on_every_rank(tmp_path):
+def test_bad_deepspeed_checkpoint_is_refused_on_every_rank(two_ranks):
     """Each kind of damage in its own copy of a fixture, all loaded in one process group."""
-    folders = {
-        kind: _damaged(tmp_path / kind.replace(" ", "_"), "s2-fp32", damage)
-        for kind, (damage, _) in BAD.items()
-    }
-    results = run_ranks(_load_errors, 2, folders)
     for kind, (_, expected) in BAD.items():
-        for rank, per_rank in enumerate(results):
+        for rank, (_, per_rank) in enumerate(two_ranks):
             error, unchanged = per_rank[kind]
             assert error.startswith("CheckpointError"), (kind, rank, error)
             for text in expected:

@@ -131,6 +131,11 @@ class ModelStates(Part):
             self._check_universal(path, state, options.strict)
             return
         if deepspeed_raw(state) is not None:
+            if getattr(state, "pipeline_stages", 1) > 1:
+                raise CheckpointError(
+                    f"{path} is a DeepSpeed pipeline checkpoint of {state.pipeline_stages} stages (layer files): "
+                    "load it with a PipelineModule"
+                )
             self._check_names_and_shapes(state, options.strict, path)
             self._check_deepspeed(path, state)
             return

@@ -16,6 +16,11 @@ read by parameter name: parameter names are global layer indices, so they do not
 each saved stage's files are presented through a `CheckpointReader`, and the optimizer wrapper's
 `load_universal` picks the values and optimizer states of the parameters this rank now holds.
 
+DeepSpeed's own pipeline checkpoints (layer files without a `pipeline` entry; ZeRO stage 1, no tied layers)
+are read through checkpoint/deepspeed_format/pipeline.py: one `DeepSpeedCheckpointReader` per saved stage,
+always by parameter name, since DeepSpeed records no partition bounds. They load at any number of stages and
+replicas here; DeepSpeed itself needs the same layout. DeepSpeed saves no RNG streams for them.
+
 `PipelineLayers` is the checkpoint part (checkpoint/parts.py) that does this: the pipeline engine's
 `ModelStates`, placed at its stage (`mp_rank` = stage), with the weights in the layer files. The rest of the
 save and load is the engine's own (checkpoint/engine_io.py).
@@ -29,6 +34,9 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.checkpoint import files
+from shardspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointReader, deepspeed_raw
+from shardspeed.checkpoint.deepspeed_format.pipeline import stage_states
+from shardspeed.checkpoint.deepspeed_format.read import read_file
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.model_states import ModelStates
 from shardspeed.checkpoint.parts import LoadContext, LoadOptions, SaveOptions
@@ -64,6 +72,7 @@ class PipelineLayers(ModelStates):
         self.num_stages = num_stages
         self.stage = stage
         self._found: list[dict] = []  # every stage's model-states, read by `check`
+        self._readers: list = []  # a DeepSpeed checkpoint: one by-name reader per saved stage, by `check`
 
     def _rank_repr(self) -> str:
         return self.module.topology().get_rank_repr(dist.get_rank())
@@ -91,10 +100,28 @@ class PipelineLayers(ModelStates):
             files.save_file(partition, staging / self.partition_name())
 
     def check(self, path: Path, state: dict, options: LoadOptions) -> None:  # every rank, before loading
+        if deepspeed_raw(state) is not None:
+            self._readers = _deepspeed_stage_readers(path, options.optimizer)
+            return
+        self._readers = []
         self._found = _stage_states(path)
         _check_files(path, self._found, options.optimizer)
 
     def load_state_dict(self, entries: dict, ctx: LoadContext) -> None:
+        if self._readers:  # DeepSpeed's layer files: assembled by name, whatever the layout
+            first = self._readers[0]
+            log_dist(
+                f"loading DeepSpeed pipeline checkpoint {ctx.path}: saved with {len(self._readers)} stages x "
+                f"{first.world_size} replicas, loading on {self.num_stages} x {self.placement.dp_world_size}",
+                ranks=[0],
+            )
+            with_optimizer = ctx.options.optimizer and self.optimizer is not None
+            self._load_by_name(ctx.path, self._readers, ctx.options.strict, with_optimizer)
+            ctx.resharded = (len(self._readers), first.world_size) != (
+                self.num_stages,
+                self.placement.dp_world_size,
+            )
+            return
         path, states = ctx.path, self._found
         saved = states[0]["pipeline"]
         same_layout = (
@@ -115,7 +142,11 @@ class PipelineLayers(ModelStates):
                 f"{self.placement.dp_world_size}",
                 ranks=[0],
             )
-            self._load_by_name(path, states, ctx.options.strict, with_optimizer)
+            readers = [
+                _StageReader(path, dict(state, module=_layer_weights(path, state)), stage)
+                for stage, state in enumerate(states)
+            ]
+            self._load_by_name(path, readers, ctx.options.strict, with_optimizer)
         ctx.resharded = not same_layout
 
     def _load_own_stage(self, path: Path, state: dict, strict: bool, with_optimizer: bool) -> None:
@@ -138,11 +169,8 @@ class PipelineLayers(ModelStates):
             saved = files.load_file(path / self.partition_name())["optimizer_state_dict"]
         optimizer.load_state_dict(saved)
 
-    def _load_by_name(self, path: Path, states: list[dict], strict: bool, with_optimizer: bool) -> None:
-        readers = []
-        for stage, state in enumerate(states):
-            state = dict(state, module=_layer_weights(path, state))
-            readers.append(_StageReader(path, state, stage))
+    def _load_by_name(self, path: Path, readers: list, strict: bool, with_optimizer: bool) -> None:
+        """Load from `readers`, one by-name reader per saved stage."""
         reader = _PipelineReader(readers)
         module = self.module
         missing = [n for n, _ in module.named_parameters() if not reader.has_value(n)]
@@ -233,6 +261,19 @@ def _check_files(path: Path, states: list[dict], with_optimizer: bool) -> None:
         problem = files.diagnose(path / name)
         if problem is not None:
             raise CheckpointError(f"checkpoint file {path / name} {problem}")
+
+
+def _deepspeed_stage_readers(path: Path, with_optimizer: bool) -> list[DeepSpeedCheckpointReader]:
+    """A by-name reader of each stage of a DeepSpeed pipeline checkpoint (deepspeed_format/pipeline.py), every
+    file a load reads checked first: the layer files, and each stage's ZeRO partitions."""
+    readers = []
+    for stage, raw in enumerate(stage_states(path, read_file)):
+        reader = DeepSpeedCheckpointReader(path, model_states=raw, mp_rank=stage)
+        if with_optimizer and reader.zero_stage > 0:
+            for rank in range(reader.world_size):
+                reader.check_rank_file(rank)
+        readers.append(reader)
+    return readers
 
 
 def _stage_states(path: Path) -> list[dict]:

@@ -8,6 +8,9 @@ zero_to_fp32.py DeepSpeed copies next to it is left out: it is DeepSpeed's), and
 recorded after the save (losses, final fp32 weights, counters) to `fixtures/<stage>-<dtype>/expected.pt`.
 tests/test_deepspeed_checkpoint_read.py resumes from each and compares. (fp16 is not in the set: DeepSpeed
 0.19.8 refuses fp16 on a CPU, "Type fp16 is not supported on your device".)
+
+`fixtures/pipe-s1-fp32` is the same for pipe_script.py (DeepSpeed's PipelineEngine, 2 ranks as 2 stages, ZeRO
+stage 1, fp32), read by tests/test_deepspeed_pipeline_read.py.
 """
 
 import os
@@ -21,21 +24,34 @@ HERE = Path(__file__).resolve().parent
 CASES = [(stage, dtype) for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
 
 
+def _fixture(name: str, script: str, options: list) -> None:
+    """Run `script` with DeepSpeed (train, save, go on) and keep its tag folder and results as `name`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = [
+            sys.executable,
+            str(HERE / script),
+            *options,
+            "--save",
+            f"{tmp}/ckpt",
+            "--out",
+            f"{tmp}/expected.pt",
+        ]
+        subprocess.run(run, check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        target = HERE / "fixtures" / name
+        shutil.rmtree(target, ignore_errors=True)
+        tag = (Path(tmp) / "ckpt" / "latest").read_text().strip()
+        shutil.copytree(Path(tmp) / "ckpt" / tag, target / tag)
+        (target / "latest").write_text(tag)
+        shutil.copy(f"{tmp}/expected.pt", target / "expected.pt")
+    print(f"wrote {target}")
+
+
 def main() -> None:
-    out = HERE / "fixtures"
     for stage, dtype in CASES:
-        name = f"s{stage}-{dtype}"
-        with tempfile.TemporaryDirectory() as tmp:
-            run = [sys.executable, str(HERE / "run_script.py"), "--world", "2", "--stage", str(stage),
-                   "--dtype", dtype, "--save", f"{tmp}/ckpt", "--out", f"{tmp}/expected.pt"]  # fmt: skip
-            subprocess.run(run, check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-            target = out / name
-            shutil.rmtree(target, ignore_errors=True)
-            tag = (Path(tmp) / "ckpt" / "latest").read_text().strip()
-            shutil.copytree(Path(tmp) / "ckpt" / tag, target / tag)
-            (target / "latest").write_text(tag)
-            shutil.copy(f"{tmp}/expected.pt", target / "expected.pt")
-        print(f"wrote {target}")
+        _fixture(
+            f"s{stage}-{dtype}", "run_script.py", ["--world", "2", "--stage", str(stage), "--dtype", dtype]
+        )
+    _fixture("pipe-s1-fp32", "pipe_script.py", ["--world", "2", "--stages", "2", "--stage", "1"])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ DeepSpeed and shardspeed share most entry names (`module`, `buffer_names`, `shar
 in the module's order, `zero_stage` comes from the saved config, `frozen_param_names` from
 `frozen_param_shapes`, and `optimizer` is None: every value is read by name through
 `DeepSpeedCheckpointReader`, which the model part opens from the original dict (`DeepSpeedView.raw`: an
-attribute, not an entry, so that it is neither a part's entry nor the client's). DeepSpeed's own bookkeeping entries (`checkpoint_parallel_dimensions`,
+attribute, not an entry, so that it is neither a part's entry nor the client's). A pipeline stage's file
+(pipeline.py) gets its `module` from the layer files; `pipeline_stages` says how many stages were saved.
+DeepSpeed's own bookkeeping entries (`checkpoint_parallel_dimensions`,
 `frozen_param_fragments`, `random_ltd`, ...) are left out, so they are not handed back as client state;
 every other entry is the client's, as in DeepSpeed.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardspeed.checkpoint import files
+from shardspeed.checkpoint.deepspeed_format.pipeline import is_pipeline_state, with_stage_module
 from shardspeed.checkpoint.deepspeed_format.read import (
     DeepSpeedCheckpointReader,
     is_deepspeed_state,
@@ -28,9 +31,12 @@ __all__ = ["DeepSpeedView", "deepspeed_raw", "engine_view", "read_model_states"]
 
 
 class DeepSpeedView(dict):
-    """A DeepSpeed model-states file under shardspeed's entries; `raw` is DeepSpeed's own dict."""
+    """A DeepSpeed model-states file under shardspeed's entries; `raw` is DeepSpeed's own dict (a pipeline
+    stage's with its `module` rebuilt from the layer files), `pipeline_stages` the pipeline degree it was
+    saved at (1 without a pipeline)."""
 
     raw: dict
+    pipeline_stages: int = 1
 
 
 def deepspeed_raw(state) -> dict | None:
@@ -51,18 +57,22 @@ def read_model_states(tag_dir: Path, mp_rank: int = 0) -> dict:
     view. At tensor degree > 1 a checkpoint of a lower degree has only the first file (merged on load)."""
     path = model_states_path(tag_dir, mp_rank)
     if not path.is_file():
-        path = model_states_path(tag_dir, 0)
+        path, mp_rank = model_states_path(tag_dir, 0), 0
     state = read_file(path)
     return engine_view(tag_dir, state, mp_rank) if is_deepspeed_state(state) else state
 
 
 def engine_view(tag_dir: Path, raw: dict, mp_rank: int = 0) -> DeepSpeedView:
     """DeepSpeed's model-states dict `raw` with shardspeed's entries (see the module's docstring)."""
+    stages = 1
+    if is_pipeline_state(raw):  # stage `mp_rank` of a pipeline: its weights are in the layer files
+        raw = with_stage_module(Path(tag_dir), raw, mp_rank, read_file)
+        stages = int(raw["checkpoint_parallel_dimensions"]["pp_degree"])
     reader = DeepSpeedCheckpointReader(tag_dir, model_states=raw, mp_rank=mp_rank)
-    if int(raw.get("mp_world_size") or 1) != 1:
+    if int(raw.get("mp_world_size") or 1) != stages:
         raise files.CheckpointError(
             f"{model_states_path(Path(tag_dir), mp_rank)} was saved with a model-parallel degree of "
-            f"{raw.get('mp_world_size')}; DeepSpeed's tensor/pipeline-parallel files are not read by this version"
+            f"{raw.get('mp_world_size')}; DeepSpeed's tensor-parallel files are not read by this version"
         )
     view = DeepSpeedView((k, v) for k, v in raw.items() if k not in _BOOKKEEPING)
     view.update(
@@ -75,4 +85,5 @@ def engine_view(tag_dir: Path, raw: dict, mp_rank: int = 0) -> DeepSpeedView:
         dp_world_size=reader.world_size,
     )
     view.raw = raw
+    view.pipeline_stages = stages
     return view

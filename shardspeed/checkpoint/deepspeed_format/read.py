@@ -84,6 +84,20 @@ def _check_version(path: Path, state: dict) -> str:
     return version
 
 
+def _refuse_moe(tag_dir: Path, path: Path, state: dict, mp_rank: int) -> None:
+    """DeepSpeed's MoE layout (experts in `layer_<L>_expert_<E>_*` files, optimizer state in `expp_rank_*` or
+    expert-parallel ZeRO partitions) is not read: refused rather than read without its experts."""
+    if not state.get("num_experts"):
+        return
+    pattern = f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt"
+    experts = sorted(p.name for p in tag_dir.glob(pattern))
+    raise CheckpointError(
+        f"{path} is a DeepSpeed MoE checkpoint (num_experts {state['num_experts']}; expert files {experts[:4]}): "
+        "DeepSpeed's expert and expert-parallel optimizer files are not read by this version, which reads "
+        "DeepSpeed checkpoints of models without MoE layers"
+    )
+
+
 def _zero_stage(path: Path, state: dict) -> int:
     zero = (state.get("ds_config") or {}).get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
@@ -110,6 +124,7 @@ class DeepSpeedCheckpointReader(SlicedValues):
         self._model_file = model_states_path(self.path, mp_rank)
         raw = model_states if model_states is not None else read_file(self._model_file, mmap=True)
         self.version = _check_version(self._model_file, raw)
+        _refuse_moe(self.path, self._model_file, raw, mp_rank)
         self._raw = raw
         self.zero_stage = _zero_stage(self._model_file, raw)
         self.world_size = int(raw.get("dp_world_size") or 1)
