@@ -5,6 +5,7 @@ checkpoint_wrapper and Pipe (the plain model's outputs and gradients)."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -125,3 +126,20 @@ def test_pipe_matches_the_sequential_model():
         Pipe(_layers(), balance=[3, 3])
     with pytest.raises(ValueError, match="deferred_batch_norm"):
         Pipe(_layers(), balance=[7], deferred_batch_norm=True)
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="duplicate children"):
+        Pipe(nn.Sequential(layer, layer), balance=[1, 1])
+    with pytest.raises(IndexError, match="2 partitions need as many devices"):
+        Pipe(_layers(), balance=[3, 4], devices=["cpu"])
+
+
+def test_pipe_keeps_layer_names_and_takes_the_mode_as_a_string():
+    class Mode:
+        def __str__(self):
+            return "never"
+
+    model = nn.Sequential(OrderedDict([("a", nn.Linear(1, 1)), ("b", nn.Linear(1, 1))]))
+    pipe = Pipe(model, balance=(1, 1), devices=("cpu", "cpu"), chunks=2.0, checkpoint=Mode())
+    names = {name for name, _ in pipe.named_modules()}
+    assert {"partitions.0.a", "partitions.1.b"} <= names
+    assert pipe.checkpoint == "never" and pipe.chunks == 2 and isinstance(pipe.chunks, int)

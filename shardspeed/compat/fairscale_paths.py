@@ -106,6 +106,10 @@ FAIRSCALE_PATHS: dict[str, object] = {
     "nn.PipeRPCWrapper": NotOffered("RPC-driven pipelines are not built; Pipe runs on one process"),
     "nn.pipe.PipeRPCWrapper": NotOffered("RPC-driven pipelines are not built; Pipe runs on one process"),
     "nn.pipe.AsyncPipe": NotOffered("the asynchronous multi-process pipe is not built; use PipelineModule"),
+    "nn.pipe.balance": NotOffered(
+        "balancing by profiling is not built; give Pipe's balance (layers per partition) explicitly",
+        module=True,
+    ),
     "experimental.nn.data_parallel": NotOffered("gossip (SlowMo) data parallelism is not built", module=True),
     "experimental.nn.distributed_pipeline": NotOffered(
         "the RPC pipeline is not built; use shardspeed.pipe.PipelineModule", module=True

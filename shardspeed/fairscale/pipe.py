@@ -16,6 +16,8 @@ Pipe saves memory but does not overlap devices; shardspeed's multi-process pipel
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
@@ -34,14 +36,26 @@ class Pipe(nn.Module):
                  checkpoint: str = "except_last", deferred_batch_norm: bool = False):  # fmt: skip
         super().__init__()
         if not isinstance(module, nn.Sequential):
-            raise TypeError("Pipe: module must be an nn.Sequential")
+            raise TypeError("Pipe: module must be nn.Sequential to be partitioned")
+        # FairScale's errors point to fairscale.nn.pipe.balance (its profiling balancers, not offered here):
+        # the messages keep that name so that code matching them still finds it.
         if balance is None:
-            raise ValueError("Pipe: balance is required (the number of layers of each partition)")
+            raise ValueError(
+                "Pipe: balance is required (the number of layers of each partition); fairscale.nn.pipe.balance's "
+                "automatic balancing is not offered here"
+            )
         balance = [int(b) for b in balance]
         if any(b <= 0 for b in balance) or sum(balance) != len(module):
-            raise ValueError(f"Pipe: balance {balance} must be positive and sum to the {len(module)} layers")
+            raise ValueError(
+                f"Pipe: balance {balance} must be positive and sum to the {len(module)} layers "
+                "(see fairscale.nn.pipe.balance)"
+            )
+        if len({id(child) for child in module.children()}) != len(module):
+            # one layer in two partitions would be moved, and checkpointed, twice
+            raise ValueError("Pipe: module with duplicate children is not supported")
         if int(chunks) <= 0:
             raise ValueError("number of chunks must be positive integer")
+        checkpoint = str(checkpoint)  # FairScale takes any object whose str() is a mode
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
         if deferred_batch_norm:
@@ -56,10 +70,11 @@ class Pipe(nn.Module):
             ]
         devices = [torch.device(d) for d in devices]
         if len(devices) < len(balance):
-            raise ValueError(f"Pipe: {len(balance)} partitions need as many devices (got {len(devices)})")
-        layers, start, partitions = list(module), 0, []
+            raise IndexError(f"Pipe: {len(balance)} partitions need as many devices (got {len(devices)})")
+        # the layers keep their names in the partitions (`partitions.0.<name>`), as in FairScale
+        layers, start, partitions = list(module.named_children()), 0, []
         for size, device in zip(balance, devices):
-            partitions.append(nn.Sequential(*layers[start : start + size]).to(device))
+            partitions.append(nn.Sequential(OrderedDict(layers[start : start + size])).to(device))
             start += size
         self.partitions = nn.ModuleList(partitions)
         self.balance, self.devices = balance, devices[: len(balance)]
