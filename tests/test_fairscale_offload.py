@@ -143,3 +143,29 @@ def test_pipe_keeps_layer_names_and_takes_the_mode_as_a_string():
     names = {name for name, _ in pipe.named_modules()}
     assert {"partitions.0.a", "partitions.1.b"} <= names
     assert pipe.checkpoint == "never" and pipe.chunks == 2 and isinstance(pipe.chunks, int)
+
+
+def test_pipe_takes_tuples_of_tensors_and_an_empty_sequential():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, pair):
+            x, y = pair
+            return self.a(x) + self.b(y), y * 2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Pair(), Pair())
+    x, y = torch.randn(6, 2), torch.randn(6, 2)
+    expected = model((x, y))
+    for mode in CHECKPOINT_MODES:
+        pipe = Pipe(copy.deepcopy(model), balance=[1, 1], chunks=3, checkpoint=mode)
+        out = pipe((x, y))
+        assert isinstance(out, tuple) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out, expected))
+    empty = Pipe(nn.Sequential(), [])
+    assert empty((x,))[0] is x
+    with pytest.raises(TypeError, match="a tensor or a tuple of tensors, got int"):
+        empty(42)
+    with pytest.raises(ValueError, match="different chunk counts"):
+        Pipe(copy.deepcopy(model), balance=[1, 1], chunks=3)((x, y[:1]))

@@ -90,20 +90,42 @@ class Pipe(nn.Module):
         for partition in self.partitions:
             yield from partition
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        if not torch.is_tensor(batch):
-            raise TypeError("Pipe.forward takes one tensor (the batch)")
-        micro_batches = batch.chunk(self.chunks)
+    def forward(self, batch):
+        """`batch`: a tensor, or a tuple of tensors split alike along their first dimension (FairScale's)."""
+        is_tuple = isinstance(batch, tuple)
+        if not (torch.is_tensor(batch) or (is_tuple and all(torch.is_tensor(t) for t in batch))):
+            raise TypeError(f"Pipe.forward takes a tensor or a tuple of tensors, got {type(batch).__name__}")
+        if not self.partitions:
+            return batch  # an empty Sequential is the identity, as in FairScale
+        micro_batches = _split(batch, self.chunks)
         stop = {"always": len(micro_batches), "except_last": len(micro_batches) - 1, "never": 0}[
             self.checkpoint
         ]
         outputs = []
         for index, micro in enumerate(micro_batches):
             for partition, device in zip(self.partitions, self.devices):
-                micro = micro.to(device)
+                micro = _to(micro, device)
                 if index < stop and torch.is_grad_enabled():
                     micro = non_reentrant_checkpoint(partition, micro)
                 else:
                     micro = partition(micro)
             outputs.append(micro)
+        if isinstance(outputs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*outputs))
         return torch.cat(outputs)
+
+
+def _split(batch, chunks: int) -> list:
+    if torch.is_tensor(batch):
+        return list(batch.chunk(chunks))
+    pieces = [t.chunk(chunks) for t in batch]
+    if len({len(p) for p in pieces}) != 1:
+        sizes = [t.shape[0] for t in batch]
+        raise ValueError(
+            f"Pipe.forward: the tensors of the batch tuple split into different chunk counts (sizes {sizes})"
+        )
+    return [tuple(parts) for parts in zip(*pieces)]
+
+
+def _to(micro, device: torch.device):
+    return tuple(t.to(device) for t in micro) if isinstance(micro, tuple) else micro.to(device)
