@@ -169,3 +169,29 @@ def test_pipe_takes_tuples_of_tensors_and_an_empty_sequential():
         empty(42)
     with pytest.raises(ValueError, match="different chunk counts"):
         Pipe(copy.deepcopy(model), balance=[1, 1], chunks=3)((x, y[:1]))
+
+
+def test_pipe_runs_gpipes_clock_schedule_and_stops_at_the_clock_that_raises():
+    timeline = []
+
+    class Log(nn.Module):
+        def __init__(self, partition, fail_on=None):
+            super().__init__()
+            self.partition, self.seen, self.fail_on = partition, 0, fail_on
+
+        def forward(self, x):
+            if self.seen == self.fail_on:
+                raise KeyError("micro-batch failed")
+            timeline.append((self.seen, self.partition))
+            self.seen += 1
+            return x
+
+    Pipe(nn.Sequential(Log(0), Log(1)), balance=[1, 1], chunks=3)(torch.rand(3, 1))
+    # clock k runs micro-batch i on partition k - i
+    assert timeline == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (2, 1)]
+    timeline.clear()
+    pipe = Pipe(nn.Sequential(Log(0), Log(1), Log(2, fail_on=0)), balance=[1, 1, 1], chunks=3)
+    with pytest.raises(KeyError, match="micro-batch failed"):
+        pipe(torch.rand(3, 1))
+    # micro-batch 0 fails on partition 2 at clock 2; that clock still finishes, nothing after it runs
+    assert timeline == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1)]

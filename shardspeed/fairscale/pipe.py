@@ -5,7 +5,8 @@
 
 The layers are split into consecutive partitions of `balance[i]` layers, partition i on `devices[i]`; the
 batch is split into `chunks` micro-batches along its first dimension, each runs through the partitions in
-order (moved from device to device between them), and the outputs are concatenated on the last device.
+order (moved from device to device between them, on GPipe's clock schedule), and the outputs are
+concatenated on the last device.
 Activations are checkpointed per partition and micro-batch (shardspeed's activation checkpointing) for
 every micro-batch (`"always"`), all but the last (`"except_last"`) or none (`"never"`). The results and
 gradients are those of the sequential model. What differs from FairScale: the micro-batches run one after
@@ -101,15 +102,26 @@ class Pipe(nn.Module):
         stop = {"always": len(micro_batches), "except_last": len(micro_batches) - 1, "never": 0}[
             self.checkpoint
         ]
-        outputs = []
-        for index, micro in enumerate(micro_batches):
-            for partition, device in zip(self.partitions, self.devices):
-                micro = _to(micro, device)
-                if index < stop and torch.is_grad_enabled():
-                    micro = non_reentrant_checkpoint(partition, micro)
-                else:
-                    micro = partition(micro)
-            outputs.append(micro)
+        # GPipe's schedule, as FairScale's: at clock k, micro-batch i runs on partition k - i, for every i at
+        # once (here one after the other, first partition first). A micro-batch that raises stops the pipe
+        # at the end of its clock, so later micro-batches do not run through the partitions before it.
+        outputs, count = list(micro_batches), len(micro_batches)
+        for clock in range(count + len(self.partitions) - 1):
+            failure = None
+            for j, (partition, device) in enumerate(zip(self.partitions, self.devices)):
+                index = clock - j
+                if not 0 <= index < count:
+                    continue
+                try:
+                    micro = _to(outputs[index], device)
+                    if index < stop and torch.is_grad_enabled():
+                        outputs[index] = non_reentrant_checkpoint(partition, micro)
+                    else:
+                        outputs[index] = partition(micro)
+                except Exception as error:  # re-raised after the clock, as FairScale does
+                    failure = failure or error
+            if failure is not None:
+                raise failure
         if isinstance(outputs[0], tuple):
             return tuple(torch.cat(parts) for parts in zip(*outputs))
         return torch.cat(outputs)
