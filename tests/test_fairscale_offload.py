@@ -124,8 +124,6 @@ def test_pipe_matches_the_sequential_model():
             assert torch.allclose(a, b, atol=1e-6)
     with pytest.raises(ValueError, match="balance"):
         Pipe(_layers(), balance=[3, 3])
-    with pytest.raises(ValueError, match="deferred_batch_norm"):
-        Pipe(_layers(), balance=[7], deferred_batch_norm=True)
     layer = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="duplicate children"):
         Pipe(nn.Sequential(layer, layer), balance=[1, 1])
@@ -195,3 +193,25 @@ def test_pipe_runs_gpipes_clock_schedule_and_stops_at_the_clock_that_raises():
         pipe(torch.rand(3, 1))
     # micro-batch 0 fails on partition 2 at clock 2; that clock still finishes, nothing after it runs
     assert timeline == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_deferred_batch_norm_keeps_the_whole_batchs_running_statistics(momentum):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=momentum), nn.Linear(4, 2))
+    for mode in CHECKPOINT_MODES:
+        reference = copy.deepcopy(plain)
+        pipe = Pipe(copy.deepcopy(plain), balance=[2, 1], chunks=3, checkpoint=mode, deferred_batch_norm=True)
+        for step in range(2):
+            x = torch.randn(9, 3, generator=torch.Generator().manual_seed(step)) * (step + 1)
+            pipe(x).sum().backward()
+            reference(x).sum().backward()
+        norm, expected = pipe[1], reference[1]
+        assert torch.allclose(norm.running_mean, expected.running_mean, atol=1e-6), mode
+        assert torch.allclose(norm.running_var, expected.running_var, atol=1e-6), mode
+        assert int(norm.num_batches_tracked) == 2
+        # the batch norm's state keeps its names (as a plain batch norm's, under its partition)
+        assert {k.split(".", 2)[2] for k in pipe.state_dict()} == set(reference.state_dict())
+        pipe.eval(), reference.eval()
+        x = torch.randn(5, 3)
+        assert torch.allclose(pipe(x), reference(x), atol=1e-5)

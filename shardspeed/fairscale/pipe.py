@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardspeed.checkpointing import non_reentrant_checkpoint
+from shardspeed.fairscale.deferred_batch_norm import DeferredBatchNorm, convert_deferred_batch_norm, untracked
 
 __all__ = ["Pipe"]
 
@@ -60,10 +61,7 @@ class Pipe(nn.Module):
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
         if deferred_batch_norm:
-            raise ValueError(
-                "Pipe(deferred_batch_norm=True) is not offered: batch-norm statistics are updated per "
-                "micro-batch here (FairScale's deferred statistics over the whole batch are not built)"
-            )
+            module = convert_deferred_batch_norm(module)  # running statistics per batch, not per micro-batch
         if devices is None:
             count = torch.cuda.device_count()
             devices = [
@@ -98,14 +96,21 @@ class Pipe(nn.Module):
             raise TypeError(f"Pipe.forward takes a tensor or a tuple of tensors, got {type(batch).__name__}")
         if not self.partitions:
             return batch  # an empty Sequential is the identity, as in FairScale
-        micro_batches = _split(batch, self.chunks)
-        stop = {"always": len(micro_batches), "except_last": len(micro_batches) - 1, "never": 0}[
-            self.checkpoint
-        ]
-        # GPipe's schedule, as FairScale's: at clock k, micro-batch i runs on partition k - i, for every i at
-        # once (here one after the other, first partition first). A micro-batch that raises stops the pipe
-        # at the end of its clock, so later micro-batches do not run through the partitions before it.
+        outputs = self._run_clocks(_split(batch, self.chunks))
+        if self.training:  # the whole batch has run: one running-statistics update (deferred batch norm)
+            for layer in self.modules():
+                if isinstance(layer, DeferredBatchNorm):
+                    layer.commit()
+        if isinstance(outputs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*outputs))
+        return torch.cat(outputs)
+
+    def _run_clocks(self, micro_batches: list) -> list:
+        """GPipe's schedule, as FairScale's: at clock k, micro-batch i runs on partition k - i, for every i at
+        once (here one after the other, first partition first). A micro-batch that raises stops the pipe at
+        the end of its clock, so later micro-batches do not run through the partitions before it."""
         outputs, count = list(micro_batches), len(micro_batches)
+        stop = {"always": count, "except_last": count - 1, "never": 0}[self.checkpoint]
         for clock in range(count + len(self.partitions) - 1):
             failure = None
             for j, (partition, device) in enumerate(zip(self.partitions, self.devices)):
@@ -115,16 +120,30 @@ class Pipe(nn.Module):
                 try:
                     micro = _to(outputs[index], device)
                     if index < stop and torch.is_grad_enabled():
-                        outputs[index] = non_reentrant_checkpoint(partition, micro)
+                        outputs[index] = non_reentrant_checkpoint(_recomputed_untracked(partition), micro)
                     else:
                         outputs[index] = partition(micro)
                 except Exception as error:  # re-raised after the clock, as FairScale does
                     failure = failure or error
             if failure is not None:
                 raise failure
-        if isinstance(outputs[0], tuple):
-            return tuple(torch.cat(parts) for parts in zip(*outputs))
-        return torch.cat(outputs)
+        return outputs
+
+
+def _recomputed_untracked(partition: nn.Module):
+    """The partition, for checkpointing: its first call is the forward pass, later ones the recomputation,
+    which must not count the micro-batch again in deferred batch norms."""
+    calls = 0
+
+    def run(micro):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return partition(micro)
+        with untracked(partition):
+            return partition(micro)
+
+    return run
 
 
 def _split(batch, chunks: int) -> list:
