@@ -146,6 +146,17 @@ def test_set_scale_rescales_the_variance_and_refusals_name_the_value():
     assert AdaScale(torch.optim.SGD(net.parameters(), lr=LR), world_size=2, smoothing=0.25).smoothing == 0.25
 
 
+def test_gradients_kept_out_of_param_grad_are_refused():
+    net = nn.Linear(2, 1)
+    opt = AdaScale(torch.optim.SGD(net.parameters(), lr=LR), num_gradients_to_accumulate=2)
+    for p in net.parameters():  # as ShardedDataParallel does: the gradient leaves .grad for a shard
+        p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
+    net(torch.ones(2)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"every param\.grad is None"):
+        net(torch.ones(2)).sum().backward()
+    assert opt.gain() == 1.0  # the estimates were not updated from the missing gradients
+
+
 def test_state_dict_round_trip_and_lr_scheduler():
     net = _net()
     opt = _sgd_adascale(net, num_gradients_to_accumulate=2)

@@ -159,6 +159,14 @@ class AdaScale(Optimizer):
         self._local_grad_sqr = None
         if self._world_size > 1:
             dist.all_reduce(local)  # the sum over ranks of each rank's sum over micro-batches
+        params = [p for group in self._optimizer.param_groups for p in group["params"]]
+        if all(p.grad is None for p in params):
+            # gradients arrived but none is left in .grad: a wrapper keeps them elsewhere (ShardedDataParallel
+            # keeps the averaged gradients as shards); |mean gradient|^2 would read 0 and the gain be wrong
+            raise RuntimeError(
+                "AdaScale needs the averaged gradients in param.grad after backward, and every param.grad is "
+                "None: wrap the model in DistributedDataParallel, not ShardedDataParallel"
+            )
         total = torch.tensor(
             [
                 sum(float(p.grad.double().pow(2).sum()) for p in group["params"] if p.grad is not None)
