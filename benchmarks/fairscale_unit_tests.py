@@ -54,7 +54,7 @@ FILES = [
     ("tests/nn/wrap/test_wrap.py", "enable_wrap / wrap / auto_wrap and the policies"),
     ("tests/nn/checkpoint/test_checkpoint_activations.py", "checkpoint_wrapper"),
     ("tests/nn/checkpoint/test_checkpoint_activations_norm.py", "checkpoint_wrapper around batch norm"),
-    ("tests/optim/test_single_node_adascale.py", "AdaScale (refused here: shows what that costs)"),
+    ("tests/optim/test_single_node_adascale.py", "AdaScale: gain, accumulation, scale, schedulers"),
     ("tests/nn/data_parallel/test_fsdp_summon_full_params.py", "FSDP summon_full_params"),
     ("tests/nn/data_parallel/test_fsdp_state_dict.py", "FSDP state_dict / local_state_dict"),
     ("tests/nn/data_parallel/test_fsdp_grad_acc.py", "FSDP no_sync and accumulation"),

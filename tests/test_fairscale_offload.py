@@ -5,6 +5,7 @@ checkpoint_wrapper and Pipe (the plain model's outputs and gradients)."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -123,5 +124,94 @@ def test_pipe_matches_the_sequential_model():
             assert torch.allclose(a, b, atol=1e-6)
     with pytest.raises(ValueError, match="balance"):
         Pipe(_layers(), balance=[3, 3])
-    with pytest.raises(ValueError, match="deferred_batch_norm"):
-        Pipe(_layers(), balance=[7], deferred_batch_norm=True)
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="duplicate children"):
+        Pipe(nn.Sequential(layer, layer), balance=[1, 1])
+    with pytest.raises(IndexError, match="2 partitions need as many devices"):
+        Pipe(_layers(), balance=[3, 4], devices=["cpu"])
+
+
+def test_pipe_keeps_layer_names_and_takes_the_mode_as_a_string():
+    class Mode:
+        def __str__(self):
+            return "never"
+
+    model = nn.Sequential(OrderedDict([("a", nn.Linear(1, 1)), ("b", nn.Linear(1, 1))]))
+    pipe = Pipe(model, balance=(1, 1), devices=("cpu", "cpu"), chunks=2.0, checkpoint=Mode())
+    names = {name for name, _ in pipe.named_modules()}
+    assert {"partitions.0.a", "partitions.1.b"} <= names
+    assert pipe.checkpoint == "never" and pipe.chunks == 2 and isinstance(pipe.chunks, int)
+
+
+def test_pipe_takes_tuples_of_tensors_and_an_empty_sequential():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, pair):
+            x, y = pair
+            return self.a(x) + self.b(y), y * 2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Pair(), Pair())
+    x, y = torch.randn(6, 2), torch.randn(6, 2)
+    expected = model((x, y))
+    for mode in CHECKPOINT_MODES:
+        pipe = Pipe(copy.deepcopy(model), balance=[1, 1], chunks=3, checkpoint=mode)
+        out = pipe((x, y))
+        assert isinstance(out, tuple) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out, expected))
+    empty = Pipe(nn.Sequential(), [])
+    assert empty((x,))[0] is x
+    with pytest.raises(TypeError, match="a tensor or a tuple of tensors, got int"):
+        empty(42)
+    with pytest.raises(ValueError, match="different chunk counts"):
+        Pipe(copy.deepcopy(model), balance=[1, 1], chunks=3)((x, y[:1]))
+
+
+def test_pipe_runs_gpipes_clock_schedule_and_stops_at_the_clock_that_raises():
+    timeline = []
+
+    class Log(nn.Module):
+        def __init__(self, partition, fail_on=None):
+            super().__init__()
+            self.partition, self.seen, self.fail_on = partition, 0, fail_on
+
+        def forward(self, x):
+            if self.seen == self.fail_on:
+                raise KeyError("micro-batch failed")
+            timeline.append((self.seen, self.partition))
+            self.seen += 1
+            return x
+
+    Pipe(nn.Sequential(Log(0), Log(1)), balance=[1, 1], chunks=3)(torch.rand(3, 1))
+    # clock k runs micro-batch i on partition k - i
+    assert timeline == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (2, 1)]
+    timeline.clear()
+    pipe = Pipe(nn.Sequential(Log(0), Log(1), Log(2, fail_on=0)), balance=[1, 1, 1], chunks=3)
+    with pytest.raises(KeyError, match="micro-batch failed"):
+        pipe(torch.rand(3, 1))
+    # micro-batch 0 fails on partition 2 at clock 2; that clock still finishes, nothing after it runs
+    assert timeline == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_deferred_batch_norm_keeps_the_whole_batchs_running_statistics(momentum):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=momentum), nn.Linear(4, 2))
+    for mode in CHECKPOINT_MODES:
+        reference = copy.deepcopy(plain)
+        pipe = Pipe(copy.deepcopy(plain), balance=[2, 1], chunks=3, checkpoint=mode, deferred_batch_norm=True)
+        for step in range(2):
+            x = torch.randn(9, 3, generator=torch.Generator().manual_seed(step)) * (step + 1)
+            pipe(x).sum().backward()
+            reference(x).sum().backward()
+        norm, expected = pipe[1], reference[1]
+        assert torch.allclose(norm.running_mean, expected.running_mean, atol=1e-6), mode
+        assert torch.allclose(norm.running_var, expected.running_var, atol=1e-6), mode
+        assert int(norm.num_batches_tracked) == 2
+        # the batch norm's state keeps its names (as a plain batch norm's, under its partition)
+        assert {k.split(".", 2)[2] for k in pipe.state_dict()} == set(reference.state_dict())
+        pipe.eval(), reference.eval()
+        x = torch.randn(5, 3)
+        assert torch.allclose(pipe(x), reference(x), atol=1e-5)

@@ -85,6 +85,10 @@ def _ranks_body() -> dict:
     # refusals name what they refuse
     out["lbfgs"] = error_text(lambda: OSS(fc.model().parameters(), optim=torch.optim.LBFGS, lr=1))
     out["object"] = error_text(lambda: OSS(fc.model().parameters(), lr=1, force_broadcast_object=True))
+    net = fc.model()
+    sdp = ShardedDataParallel(net, OSS(net.parameters(), optim=torch.optim.SGD, lr=0.1))
+    net[0].weight.grad = torch.zeros_like(net[0].weight, requires_grad=True)  # a gradient with a graph
+    out["grad_grad"] = error_text(lambda: sdp(torch.randn(2, 6)))
     return out
 
 
@@ -161,3 +165,4 @@ def test_broadcast_fp16_keeps_ranks_identical_and_close(results):
 def test_refusals_name_the_argument(results):
     assert "LBFGS" in results[0]["lbfgs"] and "elementwise" in results[0]["lbfgs"]
     assert "force_broadcast_object" in results[0]["object"]
+    assert "gradients that don't require grad" in results[0]["grad_grad"]

@@ -34,10 +34,7 @@ _SCALER = (
     "FairScale's gradient scalers are not built: under ShardedDataParallel the gradients are shards that a "
     "GradScaler walking param.grad cannot see; train in bf16, or in fp32"
 )
-_ADASCALE = (
-    "AdaScale is not built: its learning-rate gain needs each rank's gradient statistics before averaging, "
-    "which shardspeed does not collect; scale the learning rate with an LR schedule instead"
-)
+_ADASCALE = "shardspeed.fairscale.adascale"
 _KERNEL = "it is a compiled CUDA kernel; shardspeed compiles nothing (use torch.optim's own implementation)"
 _INTERNAL = "FairScale's internal and test helpers are not part of its user API"
 
@@ -88,10 +85,10 @@ FAIRSCALE_PATHS: dict[str, object] = {
     "nn.Pipe": _PIPE,
     "nn.pipe.Pipe": _PIPE,
     "nn.pipe.pipe.Pipe": _PIPE,
-    "optim.AdaScale": NotOffered(_ADASCALE),
-    "optim.adascale.AdaScale": NotOffered(_ADASCALE),
-    "optim.AdaScaleWrapper": NotOffered(_ADASCALE),
-    "optim.adascale.AdaScaleWrapper": NotOffered(_ADASCALE),
+    "optim.AdaScale": f"{_ADASCALE}:AdaScale",
+    "optim.adascale.AdaScale": f"{_ADASCALE}:AdaScale",
+    "optim.AdaScaleWrapper": f"{_ADASCALE}:AdaScaleWrapper",
+    "optim.adascale.AdaScaleWrapper": f"{_ADASCALE}:AdaScaleWrapper",
     "optim.GradScaler": NotOffered(_SCALER),
     "optim.grad_scaler.GradScaler": NotOffered(_SCALER),
     "optim.grad_scaler.ShardedGradScaler": NotOffered(_SCALER),
@@ -109,6 +106,10 @@ FAIRSCALE_PATHS: dict[str, object] = {
     "nn.PipeRPCWrapper": NotOffered("RPC-driven pipelines are not built; Pipe runs on one process"),
     "nn.pipe.PipeRPCWrapper": NotOffered("RPC-driven pipelines are not built; Pipe runs on one process"),
     "nn.pipe.AsyncPipe": NotOffered("the asynchronous multi-process pipe is not built; use PipelineModule"),
+    "nn.pipe.balance": NotOffered(
+        "balancing by profiling is not built; give Pipe's balance (layers per partition) explicitly",
+        module=True,
+    ),
     "experimental.nn.data_parallel": NotOffered("gossip (SlowMo) data parallelism is not built", module=True),
     "experimental.nn.distributed_pipeline": NotOffered(
         "the RPC pipeline is not built; use shardspeed.pipe.PipelineModule", module=True

@@ -116,6 +116,12 @@ class ShardedDataParallel(nn.Module):
     # -- FairScale's API -------------------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        if self.training and any(
+            p.grad is not None and p.grad.requires_grad for p in self.module.parameters() if p.requires_grad
+        ):
+            # the gradients are reduce-scattered into flat shards: a gradient with a graph of its own
+            # (double backward) would lose it there, so it is refused before the pass, as FairScale does
+            raise RuntimeError("ShardedDataParallel only works with gradients that don't require grad")
         if self._auto_refresh_trainable and self._trainable_ids() != self._trainable:
             if self._warn_on_trainable_params_changed:
                 logger.warning("ShardedDataParallel: trainable parameters changed; rebuilding the shards")
