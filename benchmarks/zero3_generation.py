@@ -14,7 +14,11 @@ cache. Each round times, in turn on every rank:
   gathers its parameters for every new token (`synced_gpus=True`, as TRL passes);
 - `hybrid`: a ZeRO-3 engine built with `hybrid_engine.enabled` (DeepSpeed-Chat's actor), `engine.generate`: one
   gather per call, our KV-cache decode path (`max_new_tokens` only: `min_new_tokens` would hand the call to
-  the model's own generate; `same_tokens` says whether no row stopped early).
+  the model's own generate; `same_tokens` says whether no row stopped early); q/k/v and gate/up decode as one
+  matmul each, from fused copies made inside the gather;
+- `hybrid-unfused`: the same hybrid engine with its decoder built without those copies (q, k, v, gate and up
+  as five matmuls, as before the copies): what the copies are worth, measured in the same rounds.
+The hybrid engine's own split of each call (gather, then decode) is reported too.
 Reports median tokens/s per variant, the ratio to `unsharded`, and whether every variant generated the
 unsharded model's tokens. Needs transformers, accelerate and trl (the [hf] extra) and the alias (staged here).
 Writes benchmarks/results/zero3_generation.{md,json}. A measurement, not a test: no assertion on time.
@@ -34,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-VARIANTS = ("unsharded", "trl-unwrap", "zero-unwrap", "per-token", "hybrid")
+VARIANTS = ("unsharded", "trl-unwrap", "zero-unwrap", "per-token", "hybrid", "hybrid-unfused")
 
 
 def _model(args):
@@ -103,11 +107,31 @@ def job(args) -> None:
     def per_token():
         return engine.module.generate(prompt, synced_gpus=True, **gen)
 
+    gather_seconds: list[float] = []
+
     def hybrid():
         hybrid_engine.eval()
-        return hybrid_engine.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
+        out = hybrid_engine.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
+        gather_seconds.append(hybrid_engine.rollout.last_gather_seconds)
+        return out
 
-    runs = dict(zip(VARIANTS, (unsharded, trl_unwrap, zero_unwrap, per_token, hybrid)))
+    def unfused_decoder():
+        from shardspeed.inference.decoder import FastDecoder
+
+        rollout = hybrid_engine.rollout
+        decoder = FastDecoder(rollout.module, fuse=False)
+        decoder.cache, decoder.keep_cache = rollout.cache, not rollout.release_cache
+        return decoder
+
+    def hybrid_unfused():
+        hybrid_engine.rollout._decoder = unfused_decoder  # shadows the method for this call only
+        try:
+            hybrid_engine.eval()
+            return hybrid_engine.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
+        finally:
+            del hybrid_engine.rollout._decoder
+
+    runs = dict(zip(VARIANTS, (unsharded, trl_unwrap, zero_unwrap, per_token, hybrid, hybrid_unfused)))
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     outputs = {}
     with torch.no_grad():
@@ -123,6 +147,7 @@ def job(args) -> None:
     tokens = args.batch * args.new_tokens
     result = {name: {"seconds": times[name], "tokens_per_s": tokens / statistics.median(times[name]),
                      "same_tokens": same[name]} for name in VARIANTS}  # fmt: skip
+    result["hybrid"]["gather_seconds"] = gather_seconds[1:]  # the timed rounds (not the warm-up)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -147,6 +172,13 @@ def report(data: dict) -> str:
     for name in VARIANTS:
         same = all(r[name]["same_tokens"] for r in ranks)
         lines.append(f"| `{name}` | {rate[name]:.1f} | {rate[name] / rate['unsharded']:.2f} | {same} |")
+    gather = statistics.mean(statistics.median(r["hybrid"]["gather_seconds"]) for r in ranks)
+    call = statistics.mean(statistics.median(r["hybrid"]["seconds"]) for r in ranks)
+    lines += [
+        "",
+        f"`hybrid`'s calls: {call:.3f} s (median), of which the gather of every parameter unit {gather:.3f} s "
+        f"({gather / call:.0%}); the rest is prefill and decode.",
+    ]
     lines += [
         "",
         f"Load average of the machine when the run started: {data['load']:.1f} (other jobs share its cores, so the "

@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .fusion import fuse_linears
+from .fusion import fuse_linears, fused_copy
 from .kv_cache import StaticKVCache
 
 __all__ = ["FastDecoder", "ModelDecoder", "make_decoder"]
@@ -111,10 +111,11 @@ class FastDecoder:
             return False
         return hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
 
-    def __init__(self, model, fuse: bool = True):
+    def __init__(self, model, fuse: bool = True, fuse_copies: bool = False):
         """``fuse=False`` leaves the model's parameters as they are (a training model's, which an optimizer
         and ZeRO hold by identity): q/k/v and gate/up then run as separate matmuls, each reading its weight
-        at the call (the hybrid engine decodes that way)."""
+        at the call; with ``fuse_copies`` they run fused from copies of the weights made now, which live as
+        long as this decoder (the hybrid engine builds one per ``generate`` call)."""
         self.model = model
         inner = model.model
         self.embed = inner.embed_tokens
@@ -129,15 +130,16 @@ class FastDecoder:
         # Local (per-rank) head counts come from the weights, so a tensor-parallel split is picked up.
         self.kv_heads = attn.k_proj.weight.shape[0] // self.head_dim
         # Per layer: q/k/v in one matmul and gate/up in one where the modules allow it (fusion.py).
+        fusing = fuse_linears if fuse else fused_copy if fuse_copies else None
         self.qkv = [
-            fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-            if fuse
+            fusing([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            if fusing
             else None
             for layer in self.layers
         ]
         self.gate_up = [
-            fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj])
-            if fuse and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            fusing([layer.mlp.gate_proj, layer.mlp.up_proj])
+            if fusing and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             else None
             for layer in self.layers
         ]

@@ -6,6 +6,10 @@ into one tensor and points each module's weight at its slice of it (a view: no s
 weights, and the modules, their state dict and a tensor-parallel split keep working as before). Only plain
 linears qualify (``nn.Linear``, module_inject's column-parallel ``LinearLayer`` in [out, in] orientation);
 anything else (int8, GPT-2's transposed Conv1D) keeps its separate calls.
+
+``fused_copy`` is the form for a model that is being trained (the hybrid engine's rollouts): the optimizer
+and ZeRO hold its parameters by identity, so they are left alone and the fused weight is a new tensor,
+made from the weights as they are at the call and dropped with the decoder when the call returns.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FusedLinear", "fuse_linears"]
+__all__ = ["FusedLinear", "fuse_linears", "fused_copy"]
 
 _FUSABLE = {"Linear", "LinearLayer"}
 
@@ -21,15 +25,18 @@ _FUSABLE = {"Linear", "LinearLayer"}
 class FusedLinear:
     """One weight/bias for several linears; ``__call__`` returns their outputs, split."""
 
-    def __init__(self, modules, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+    def __init__(
+        self, modules, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], copy: bool = False
+    ):
         self.modules, self.weight, self.bias, self.sizes = modules, weight, bias, sizes
+        self.copy = copy  # a copy (fused_copy) shares no storage with the modules: nothing to re-check
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.joint(x).split(self.sizes, dim=-1)
 
     def joint(self, x: torch.Tensor) -> torch.Tensor:
         """The outputs side by side on the last dimension, unsplit."""
-        if self.modules[0].weight.data_ptr() != self.weight.data_ptr():
+        if not self.copy and self.modules[0].weight.data_ptr() != self.weight.data_ptr():
             # The model's weights were replaced after fusing (``.to(dtype)``, a new state dict): fuse again.
             fresh = fuse_linears(self.modules)
             if fresh is None:
@@ -76,3 +83,14 @@ def fuse_linears(modules) -> FusedLinear | None:
             _as_view(module, "bias", bias[offset : offset + size])
         offset += size
     return FusedLinear(list(modules), weight, bias, sizes)
+
+
+@torch.no_grad()
+def fused_copy(modules) -> FusedLinear | None:
+    """A ``FusedLinear`` over a copy of ``modules``' weights, the modules untouched; None if they do not fuse
+    (or have a fused form of their own, which rebinds their weights)."""
+    if getattr(type(modules[0]), "fuse", None) is not None or not _fusable(modules):
+        return None
+    weight = torch.cat([m.weight.detach() for m in modules])
+    bias = torch.cat([m.bias.detach() for m in modules]) if modules[0].bias is not None else None
+    return FusedLinear(list(modules), weight, bias, [m.weight.shape[0] for m in modules], copy=True)

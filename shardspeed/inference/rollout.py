@@ -7,9 +7,13 @@
   gathers every parameter unit and pauses the per-module hooks; at stages 0-2 it does nothing), and the
   whole call, prefill and every token, runs inside it. Token-by-token generation through the model's own
   forward would gather each layer again for every token.
-* The model's parameters are left exactly as they are: the decoder does not fuse q/k/v or gate/up into new
-  tensors (``FastDecoder(fuse=False)``), because the optimizer and ZeRO hold those parameters by identity.
-  Each step reads the current weights, so generation after an optimizer step sees the updated model.
+* The model's parameters are left exactly as they are, because the optimizer and ZeRO hold them by identity:
+  the decoder runs q/k/v and gate/up each as one matmul from fused *copies* of those weights
+  (``FastDecoder(fuse=False, fuse_copies=True)``), made inside the gather at the start of the call and
+  dropped when it returns. So the call holds, besides the gathered model, one more copy of those weights
+  (about two thirds of a Llama layer's) and nothing survives it; the next call copies the weights as they
+  are then, so generation after an optimizer step sees the updated model. Separate matmuls would cost
+  each decode step three launches where one does (the unsharded fast path fuses the same way).
 * The KV cache is sized by ``max_out_tokens`` (prompt and new tokens, DeepSpeed's meaning) and, unless
   ``release_inference_cache``, kept for the next call of the same batch size instead of re-allocated.
 
@@ -116,7 +120,7 @@ class RolloutGenerator:
         """A decoder over the module as it is now (built per call: cheap, and never stale after a step)."""
         if not FastDecoder.supports(self.module, self.max_out_tokens):
             return ModelDecoder(self.module)
-        decoder = FastDecoder(self.module, fuse=False)
+        decoder = FastDecoder(self.module, fuse=False, fuse_copies=True)
         decoder.cache, decoder.keep_cache = self.cache, not self.release_cache
         return decoder
 
