@@ -39,8 +39,8 @@ RUNS = [
     f"{t}:{s}{o}"
     for t in ("sft", "dpo", "grpo", "rloo", "reward")
     for s in (0, 1, 2, 3)
-    for o in ("", ":offload")
-    if s or not o
+    for o in ("", ":offload", ":offload_all")
+    if (s or not o) and (s == 3 or o != ":offload_all")
 ]
 
 
@@ -129,30 +129,26 @@ def main() -> None:
         "--deepspeed-runs", nargs="+", help="the runs to repeat under DeepSpeed (default: --runs)"
     )
     parser.add_argument("--deepspeed-from", type=Path,
-                        help="keep DeepSpeed's results from this trl_trainers.json; rerun only --deepspeed-runs")  # fmt: skip
+                        help="keep DeepSpeed's results from this trl_trainers.json (with --deepspeed-python: and run --deepspeed-runs)")  # fmt: skip
     parser.add_argument("--ours-from", type=Path,
-                        help="read shardspeed's results from this trl_trainers.json instead of running them")  # fmt: skip
+                        help="read shardspeed's results from this trl_trainers.json; run only the --runs it lacks")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        if args.ours_from:
-            ours = {
-                k: v
-                for k, v in json.loads(args.ours_from.read_text())["shardspeed"].items()
-                if k in args.runs
-            }
-        else:
+        saved = json.loads(args.ours_from.read_text())["shardspeed"] if args.ours_from else {}
+        missing = [r for r in args.runs if r not in saved]
+        if missing:
             (tmp / "ss").mkdir()
             env = env_with_alias(tmp / "ss" / "site")
             env.update(SHARDSPEED_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
-            ours = run(sys.executable, env, tmp / "ss", args.runs, args.steps)
-        theirs = None
+            saved = {**saved, **run(sys.executable, env, tmp / "ss", missing, args.steps)}
+        ours = {r: saved[r] for r in args.runs}  # in --runs' order
+        theirs = json.loads(args.deepspeed_from.read_text())["deepspeed"] if args.deepspeed_from else None
         if args.deepspeed_python:
             (tmp / "ds").mkdir()
             ds_env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
             ds_env.pop("PYTHONPATH", None)
-            theirs = json.loads(args.deepspeed_from.read_text())["deepspeed"] if args.deepspeed_from else {}
-            theirs |= run_each(
+            theirs = (theirs or {}) | run_each(
                 args.deepspeed_python, ds_env, tmp / "ds", args.deepspeed_runs or args.runs, args.steps
             )
     RESULTS.mkdir(exist_ok=True)
@@ -164,7 +160,9 @@ def main() -> None:
         "# TRL's trainers on 2 CPU ranks\n\n"
         "`python benchmarks/trl_trainers.py` (tests/integrations/trl_job.py: trl 1.16.0, transformers 5.23.0, "
         f"accelerate 1.15.0; a tiny Llama from a config, fp32, {args.steps} steps). `trainer:stage[:offload]`; "
-        "offload = `offload_optimizer: cpu`.\n\n" + text + "\n\n"
+        "offload = `offload_optimizer: cpu`; offload_all = `offload_optimizer` and `offload_param`: cpu.\n\n"
+        + text
+        + "\n\n"
         "With two generations per prompt RLOO's advantages are r1 - r2 and r2 - r1, so its logged loss is 0 while "
         "its gradient is not (the KL column shows the policy moving).\n" + (DEEPSPEED_NOTE if theirs else "")
     )

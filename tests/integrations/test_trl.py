@@ -17,7 +17,7 @@ pytest.importorskip("trl", reason="needs the [hf] extra (transformers, accelerat
 from .jobs import run_job
 
 TRAINERS = ("sft", "dpo", "grpo", "rloo", "reward")
-RUNS = [f"{name}:{stage}" for name in TRAINERS for stage in (2, 3)] + ["grpo:3:offload"]
+RUNS = [f"{name}:{stage}" for name in TRAINERS for stage in (2, 3)] + ["grpo:3:offload", "grpo:3:offload_all"]
 HIDDEN = 32  # trl_job.py's tiny Llama
 
 
@@ -30,9 +30,10 @@ def test_trl_trainers_train_at_zero_2_and_3(tmp_path):
     for name in TRAINERS:
         zero2 = results[f"{name}:2"]
         assert len(zero2["loss"]) == 3, zero2
-        for run in [f"{name}:3"] + (["grpo:3:offload"] if name == "grpo" else []):
-            # ZeRO-3 (and ZeRO-3 with the optimizer on the host) gives ZeRO-2's losses: same data, same
-            # sampling, fp32
+        offloaded = ["grpo:3:offload", "grpo:3:offload_all"] if name == "grpo" else []
+        for run in [f"{name}:3", *offloaded]:
+            # ZeRO-3 (and ZeRO-3 with the optimizer, or the optimizer and the parameters, on the host) gives
+            # ZeRO-2's losses: same data, same sampling, fp32
             assert _close(results[run]["loss"], zero2["loss"], 1e-5), (run, results[run], zero2)
             if "kl" in zero2:  # the sampled completions are the same, the reference model's view too
                 assert results[run]["reward"] == zero2["reward"]
@@ -40,7 +41,7 @@ def test_trl_trainers_train_at_zero_2_and_3(tmp_path):
     assert results["sft:2"]["loss"][-1] < results["sft:2"]["loss"][0]  # it learns
     assert results["dpo:2"]["rewards/margins"][-1] > 0
     assert results["reward:2"]["loss"][-1] < results["reward:2"]["loss"][0]
-    for run in ("grpo:3", "grpo:3:offload", "rloo:3"):
+    for run in ("grpo:3", "grpo:3:offload", "grpo:3:offload_all", "rloo:3"):
         assert results[run]["kl"][-1] != 0  # the reference model is in use and the policy has moved
     for run in (
         "dpo:3",

@@ -76,11 +76,18 @@ def sentences(count: int, offset: int = 0) -> list[str]:
     return out
 
 
-def ds_config(stage: int, offload: bool) -> dict:
+OFFLOADS = ("", "offload", "offload_all")  # none; the optimizer state; the optimizer state and the parameters
+
+
+def ds_config(stage: int, offload: str) -> dict:
     """A DeepSpeed config as HF's docs write it: "auto" wherever the Trainer knows the value."""
+    if offload not in OFFLOADS or (offload == "offload_all" and stage != 3):
+        raise ValueError(f"offload {offload!r}: one of {OFFLOADS[1:]}, offload_all at ZeRO-3 only")
     zero: dict = {"stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if offload == "offload_all":
+        zero["offload_param"] = {"device": "cpu"}
     if stage == 3:
         zero.update(
             reduce_bucket_size="auto",
@@ -96,7 +103,7 @@ def ds_config(stage: int, offload: bool) -> dict:
     }
 
 
-def common_args(out_dir: str, stage: int, offload: bool, steps: int) -> dict:
+def common_args(out_dir: str, stage: int, offload: str, steps: int) -> dict:
     return dict(
         output_dir=out_dir, deepspeed=ds_config(stage, offload), max_steps=steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=1, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
@@ -206,8 +213,8 @@ TRAINERS = {"sft": sft, "dpo": dpo, "grpo": grpo, "rloo": rloo, "reward": reward
 LOGGED = ("loss", "reward", "kl", "rewards/chosen", "rewards/margins")
 
 
-def run(trainer_name: str, stage: int, offload: bool, model_path: str, work: str, steps: int) -> dict:
-    tag = f"{trainer_name}-z{stage}{'-offload' if offload else ''}"
+def run(trainer_name: str, stage: int, offload: str, model_path: str, work: str, steps: int) -> dict:
+    tag = f"{trainer_name}-z{stage}{'-' + offload if offload else ''}"
     set_seed(SEED)
     trainer = TRAINERS[trainer_name](model_path, common_args(os.path.join(work, tag), stage, offload, steps))
     trainer.train()
@@ -221,7 +228,7 @@ def run(trainer_name: str, stage: int, offload: bool, model_path: str, work: str
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", nargs="+", default=["sft:2", "dpo:2", "grpo:2", "sft:3", "dpo:3", "grpo:3"],
-                        help="trainer:stage, or trainer:stage:offload")  # fmt: skip
+                        help="trainer:stage, trainer:stage:offload or trainer:3:offload_all")  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--work", required=True)
     parser.add_argument("--out", required=True)
@@ -231,7 +238,7 @@ def main() -> None:
     results = {}
     for spec in args.runs:
         name, stage, *rest = spec.split(":")
-        results[spec] = run(name, int(stage), bool(rest), model_path, args.work, args.steps)
+        results[spec] = run(name, int(stage), rest[0] if rest else "", model_path, args.work, args.steps)
     if rank == 0:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=1)
