@@ -27,6 +27,13 @@ and `--only` runs one side. Every finished file is merged into the results at on
 may run side by side and an interrupted run loses only the file it was in; `--report-only` rewrites the
 table from the results. Each row records its date and limits.
 
+Running every test on both sides takes hours more, so `--sample K --seed S` takes a sample instead
+(unit_test_sample.py): per file (by default the files not yet run in full on both sides), K of the node ids
+DeepSpeed collects there, chosen by S and the file's name, run on DeepSpeed's side and then on the alias's
+under the same limits. Sampled results are kept apart (`results["sampled"]`, each with the number DeepSpeed
+collects and the ids sampled); the report gives (a) the full-file figure and (b) a whole-tree estimate that
+scales each sampled file by the tests DeepSpeed collects there, stated as an estimate with its sample sizes.
+
 The two systems run in two interpreters, because the alias refuses to be importable beside DeepSpeed:
 - `--deepspeed-python`: a venv with `deepspeed==0.19.8` (DS_BUILD_OPS=0), torch 2.13.0, pytest<8.4 (pytest 8.4+
   breaks their forked harness), pytest-forked, numpy, py-cpuinfo
@@ -49,12 +56,15 @@ import hashlib
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from unit_test_report import junit_reasons, parse_pytest_log, render_markdown, summarize_file
@@ -117,10 +127,10 @@ def collect_inventory(python: str, tests_dir: Path, env: dict, log_dir: Path) ->
     return inventory
 
 
-def stage_alias(folder: Path) -> Path:
-    """Lay out the alias in `folder` as `pip install ./integrations/deepspeed-alias` would (metadata too)."""
-    import re
-
+def stage_alias(folder: Path, python: str) -> Path:
+    """Lay out the alias in `folder` as `pip install ./integrations/deepspeed-alias` would (metadata too, and
+    its commands, `deepspeed`, `ds_report`, ..., in `folder/bin`, run by `python`: DeepSpeed's launcher tests
+    run the `deepspeed` command)."""
     version = re.search(r'^version = "([^"]+)"', (ALIAS_SOURCE / "pyproject.toml").read_text(), re.M).group(1)
     folder.mkdir(parents=True)
     (folder / "deepspeed").symlink_to(ALIAS_SOURCE / "deepspeed", target_is_directory=True)
@@ -128,11 +138,26 @@ def stage_alias(folder: Path) -> Path:
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {version}\n")
     (info / "top_level.txt").write_text("deepspeed\n")
+    commands = tomllib.loads((ALIAS_SOURCE / "pyproject.toml").read_text())["project"]["scripts"]
+    (folder / "bin").mkdir()
+    for command, target in commands.items():
+        module, function = target.split(":")
+        script = folder / "bin" / command
+        script.write_text(
+            f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n"
+        )
+        script.chmod(0o755)
     return folder
 
 
-def side_environment(side: str, alias_dir: Path | None, extensions_dir: Path) -> dict[str, str]:
+def side_environment(
+    side: str, alias_dir: Path | None, extensions_dir: Path, deepspeed_python: str | None = None
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "SHARDSPEED_"))}
+    # each side's `deepspeed` command first on PATH: the alias's staged one, or the one installed beside
+    # DeepSpeed's interpreter
+    commands = alias_dir / "bin" if side == "shardspeed" else Path(deepspeed_python or sys.executable).parent
+    env["PATH"] = os.pathsep.join((str(commands), env.get("PATH", "")))
     env.update(
         DS_ACCELERATOR="cpu",  # both: DeepSpeed's and shardspeed's accelerator choice
         LOCAL_SIZE="2",  # the CPU accelerator's device count: tests use at most 2 ranks
@@ -304,7 +329,8 @@ def run_sampled(args, inventory: dict, alias_dir: Path, json_path: Path) -> None
                 and e.get("sample_size") == args.sample and e.get("deepspeed") and e.get("shardspeed")}  # fmt: skip
     names = [n for n in _selected(args, inventory) if args.files or n not in full]
     names = [n for n in names if not (args.resume and n in done)]
-    envs = {side: side_environment(side, alias_dir, args.logs / "torch_extensions") for side in SIDES}
+    envs = {side: side_environment(side, alias_dir, args.logs / "torch_extensions", args.deepspeed_python)
+            for side in SIDES}  # fmt: skip
     pythons = {"deepspeed": args.deepspeed_python, "shardspeed": args.shardspeed_python}
     for side in SIDES:
         (args.logs / side).mkdir(parents=True, exist_ok=True)
@@ -334,11 +360,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     json_path = args.out / "deepspeed_unit_tests.json"
     with tempfile.TemporaryDirectory(prefix="ds-conformance-") as tmp:
-        alias_dir = stage_alias(Path(tmp) / "alias")
+        alias_dir = stage_alias(Path(tmp) / "alias", args.shardspeed_python)
         args.logs.mkdir(parents=True, exist_ok=True)
         with _locked_results(json_path) as results:
             if not args.report_only and (args.inventory or "inventory" not in results):
-                env = side_environment("deepspeed", alias_dir, args.logs / "torch_extensions")
+                env = side_environment(
+                    "deepspeed", alias_dir, args.logs / "torch_extensions", args.deepspeed_python
+                )
                 results["inventory"] = collect_inventory(args.deepspeed_python, args.tests, env, args.logs)
                 results["meta"]["inventory_date"] = datetime.date.today().isoformat()
             inventory = results.get("inventory", {})
@@ -355,7 +383,7 @@ def main(argv=None) -> int:
         names = [] if args.report_only or args.sample else _selected(args, inventory)
         for side in [] if args.report_only or args.sample else [args.only] if args.only else list(SIDES):
             python = args.deepspeed_python if side == "deepspeed" else args.shardspeed_python
-            env = side_environment(side, alias_dir, args.logs / "torch_extensions")
+            env = side_environment(side, alias_dir, args.logs / "torch_extensions", args.deepspeed_python)
             (args.logs / side).mkdir(parents=True, exist_ok=True)
             _check_interpreter(side, python, env)
             versions = {
