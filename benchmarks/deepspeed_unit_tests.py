@@ -27,6 +27,13 @@ and `--only` runs one side. Every finished file is merged into the results at on
 may run side by side and an interrupted run loses only the file it was in; `--report-only` rewrites the
 table from the results. Each row records its date and limits.
 
+Running every test on both sides takes hours more, so `--sample K --seed S` takes a sample instead
+(unit_test_sample.py): per file (by default the files not yet run in full on both sides), K of the node ids
+DeepSpeed collects there, chosen by S and the file's name, run on DeepSpeed's side and then on the alias's
+under the same limits. Sampled results are kept apart (`results["sampled"]`, each with the number DeepSpeed
+collects and the ids sampled); the report gives (a) the full-file figure and (b) a whole-tree estimate that
+scales each sampled file by the tests DeepSpeed collects there, stated as an estimate with its sample sizes.
+
 The two systems run in two interpreters, because the alias refuses to be importable beside DeepSpeed:
 - `--deepspeed-python`: a venv with `deepspeed==0.19.8` (DS_BUILD_OPS=0), torch 2.13.0, pytest<8.4 (pytest 8.4+
   breaks their forked harness), pytest-forked, numpy, py-cpuinfo
@@ -49,6 +56,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -56,8 +64,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import tomllib
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from unit_test_report import junit_reasons, parse_pytest_log, render_markdown, summarize_file
+from unit_test_sample import choose_sample, collect_node_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 ALIAS_SOURCE = ROOT / "integrations" / "deepspeed-alias"
@@ -116,10 +127,10 @@ def collect_inventory(python: str, tests_dir: Path, env: dict, log_dir: Path) ->
     return inventory
 
 
-def stage_alias(folder: Path) -> Path:
-    """Lay out the alias in `folder` as `pip install ./integrations/deepspeed-alias` would (metadata too)."""
-    import re
-
+def stage_alias(folder: Path, python: str) -> Path:
+    """Lay out the alias in `folder` as `pip install ./integrations/deepspeed-alias` would (metadata too, and
+    its commands, `deepspeed`, `ds_report`, ..., in `folder/bin`, run by `python`: DeepSpeed's launcher tests
+    run the `deepspeed` command)."""
     version = re.search(r'^version = "([^"]+)"', (ALIAS_SOURCE / "pyproject.toml").read_text(), re.M).group(1)
     folder.mkdir(parents=True)
     (folder / "deepspeed").symlink_to(ALIAS_SOURCE / "deepspeed", target_is_directory=True)
@@ -127,11 +138,26 @@ def stage_alias(folder: Path) -> Path:
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {version}\n")
     (info / "top_level.txt").write_text("deepspeed\n")
+    commands = tomllib.loads((ALIAS_SOURCE / "pyproject.toml").read_text())["project"]["scripts"]
+    (folder / "bin").mkdir()
+    for command, target in commands.items():
+        module, function = target.split(":")
+        script = folder / "bin" / command
+        script.write_text(
+            f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n"
+        )
+        script.chmod(0o755)
     return folder
 
 
-def side_environment(side: str, alias_dir: Path | None, extensions_dir: Path) -> dict[str, str]:
+def side_environment(
+    side: str, alias_dir: Path | None, extensions_dir: Path, deepspeed_python: str | None = None
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "SHARDSPEED_"))}
+    # each side's `deepspeed` command first on PATH: the alias's staged one, or the one installed beside
+    # DeepSpeed's interpreter
+    commands = alias_dir / "bin" if side == "shardspeed" else Path(deepspeed_python or sys.executable).parent
+    env["PATH"] = os.pathsep.join((str(commands), env.get("PATH", "")))
     env.update(
         DS_ACCELERATOR="cpu",  # both: DeepSpeed's and shardspeed's accelerator choice
         LOCAL_SIZE="2",  # the CPU accelerator's device count: tests use at most 2 ranks
@@ -153,18 +179,24 @@ def side_environment(side: str, alias_dir: Path | None, extensions_dir: Path) ->
 
 
 def run_file(
-    python: str, tests_dir: Path, name: str, env: dict, limits: tuple[float, float], log_dir: Path
+    python: str,
+    tests_dir: Path,
+    name: str,
+    env: dict,
+    limits: tuple[float, float],
+    log_dir: Path,
+    node_ids: list[str] | None = None,
 ) -> dict:
-    """One file under pytest --forked: each test's forked child ends after `limits[0]` seconds
-    (pytest_plugins/conformance_limit.py), the whole file after `limits[1]`; then every process it left
-    behind is killed."""
+    """One file under pytest --forked (only `node_ids` of it when given: a sampled run): each test's forked
+    child ends after `limits[0]` seconds (pytest_plugins/conformance_limit.py), the whole file after
+    `limits[1]`; then every process it left behind is killed."""
     test_limit, timeout = limits
-    log_path = log_dir / (name.replace("/", "__") + ".log")
+    log_path = log_dir / (name.replace("/", "__") + (".sample.log" if node_ids else ".log"))
     junit_path = log_path.with_suffix(".xml")
     junit_path.unlink(missing_ok=True)
     command = [python, "-m", "pytest", "--forked", "-p", "no:cacheprovider", "-p", "no:randomly",
                "-rfEs", "--tb=short", f"--junitxml={junit_path}", "-p", "conformance_limit",
-               f"--per-test-limit={test_limit:.0f}", "-m", CPU_WORKFLOW_MARKERS, name]  # fmt: skip
+               f"--per-test-limit={test_limit:.0f}", "-m", CPU_WORKFLOW_MARKERS, *(node_ids or [name])]  # fmt: skip
     started = time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -233,6 +265,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite the .md from the .json; run nothing"
     )
+    parser.add_argument("--sample", type=int, metavar="K",
+                        help="sampled run: K tests per file (default files: those not yet run in full on both "
+                             "sides), the same ids on both sides; kept apart from full-file results")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed (with --sample)")
     parser.add_argument("--file-timeout", type=float, default=1800.0, help="seconds per file and side")
     parser.add_argument("--test-timeout", type=float, default=240.0, help="seconds per test")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -252,6 +288,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not (part.isdigit() and parts.isdigit() and 1 <= int(part) <= int(parts)):
             parser.error(f"--chunk {args.chunk}: expected I/N with 1 <= I <= N")
         args.chunk = (int(part), int(parts))
+    if args.sample is not None and (args.sample < 1 or args.only or not args.deepspeed_python):
+        parser.error("--sample K needs K >= 1, both sides (no --only) and --deepspeed-python")
     if args.only != "shardspeed" and not args.deepspeed_python and not args.report_only:
         parser.error("--deepspeed-python is required unless --only shardspeed")
     return args
@@ -282,15 +320,53 @@ def _selected(args, inventory: dict) -> list[str]:
     return names
 
 
+def run_sampled(args, inventory: dict, alias_dir: Path, json_path: Path) -> None:
+    """`--sample K`: per file, K of DeepSpeed's node ids, run on DeepSpeed's side and then the alias's, file
+    after file (so every finished file has both sides), into `results["sampled"]`."""
+    with _locked_results(json_path) as results:
+        full = {n for n, e in results["files"].items() if e.get("deepspeed") and e.get("shardspeed")}
+        done = {n for n, e in results.get("sampled", {}).items() if e.get("seed") == args.seed
+                and e.get("sample_size") == args.sample and e.get("deepspeed") and e.get("shardspeed")}  # fmt: skip
+    names = [n for n in _selected(args, inventory) if args.files or n not in full]
+    names = [n for n in names if not (args.resume and n in done)]
+    envs = {side: side_environment(side, alias_dir, args.logs / "torch_extensions", args.deepspeed_python)
+            for side in SIDES}  # fmt: skip
+    pythons = {"deepspeed": args.deepspeed_python, "shardspeed": args.shardspeed_python}
+    for side in SIDES:
+        (args.logs / side).mkdir(parents=True, exist_ok=True)
+        _check_interpreter(side, pythons[side], envs[side])
+    node_ids = collect_node_ids(pythons["deepspeed"], args.tests, names, CPU_WORKFLOW_MARKERS,
+                                envs["deepspeed"], args.logs / "sample_collect.log")  # fmt: skip
+    for name in names:
+        if not node_ids.get(name):
+            print(f"[sample] {name}: DeepSpeed collects nothing here now; skipped", flush=True)
+            continue
+        chosen = choose_sample(node_ids[name], args.sample, args.seed, name)
+        entry = {"deepspeed_collected": len(node_ids[name]), "sample_size": args.sample, "seed": args.seed,
+                 "ids": chosen, "date": datetime.date.today().isoformat(),
+                 "file_timeout_s": args.file_timeout, "test_timeout_s": args.test_timeout,
+                 "shardspeed_commit": args.tree_commit}  # fmt: skip
+        for side in SIDES:
+            entry[side] = run_file(pythons[side], args.tests, name, envs[side],
+                                   (args.test_timeout, args.file_timeout), args.logs / side, chosen)  # fmt: skip
+        with _locked_results(json_path) as results:
+            results.setdefault("sampled", {})[name] = entry
+        ds, ss = entry["deepspeed"], entry["shardspeed"]
+        print(f"[sample] {name}: {len(chosen)} of {len(node_ids[name])}; DeepSpeed {ds['passed']} passed, "
+              f"alias {ss['passed']} passed ({ds['seconds']:.0f} s + {ss['seconds']:.0f} s)", flush=True)  # fmt: skip
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     json_path = args.out / "deepspeed_unit_tests.json"
     with tempfile.TemporaryDirectory(prefix="ds-conformance-") as tmp:
-        alias_dir = stage_alias(Path(tmp) / "alias")
+        alias_dir = stage_alias(Path(tmp) / "alias", args.shardspeed_python)
         args.logs.mkdir(parents=True, exist_ok=True)
         with _locked_results(json_path) as results:
             if not args.report_only and (args.inventory or "inventory" not in results):
-                env = side_environment("deepspeed", alias_dir, args.logs / "torch_extensions")
+                env = side_environment(
+                    "deepspeed", alias_dir, args.logs / "torch_extensions", args.deepspeed_python
+                )
                 results["inventory"] = collect_inventory(args.deepspeed_python, args.tests, env, args.logs)
                 results["meta"]["inventory_date"] = datetime.date.today().isoformat()
             inventory = results.get("inventory", {})
@@ -302,10 +378,12 @@ def main(argv=None) -> int:
             results["meta"].update(
                 tests_commit=TESTS_COMMIT, machine=args.machine, markers=CPU_WORKFLOW_MARKERS
             )
-        names = [] if args.report_only else _selected(args, inventory)
-        for side in [] if args.report_only else [args.only] if args.only else list(SIDES):
+        if args.sample and not args.report_only:
+            run_sampled(args, inventory, alias_dir, json_path)
+        names = [] if args.report_only or args.sample else _selected(args, inventory)
+        for side in [] if args.report_only or args.sample else [args.only] if args.only else list(SIDES):
             python = args.deepspeed_python if side == "deepspeed" else args.shardspeed_python
-            env = side_environment(side, alias_dir, args.logs / "torch_extensions")
+            env = side_environment(side, alias_dir, args.logs / "torch_extensions", args.deepspeed_python)
             (args.logs / side).mkdir(parents=True, exist_ok=True)
             _check_interpreter(side, python, env)
             versions = {

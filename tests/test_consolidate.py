@@ -113,6 +113,9 @@ def test_consolidated_state_dict_equals_reference(saved, tmp_path):
     assert [f.name for f in files] == ["pytorch_model.bin"]
     written = torch.load(files[0], weights_only=True)
     assert set(written) == set(state) and all(torch.equal(written[k], state[k]) for k in state)
+    assert (
+        written["head.weight"] is written["tok.weight"]
+    )  # the tie kept: one tensor, as in DeepSpeed's output
     files = convert_zero_checkpoint_to_fp32_state_dict(root / "s3", tmp_path / "out", safe_serialization=True)
     assert [f.name for f in files] == ["model.safetensors"]
     written = load_file(tmp_path / "out" / "model.safetensors")
@@ -181,6 +184,23 @@ def test_excluded_frozen_parameters(saved):
     assert set(full) - set(without) == {"pos"}
     saved_without = get_fp32_state_dict_from_zero_checkpoint(root / "s1-no-frozen")  # excluded at save time
     assert set(saved_without) == set(without)
+
+
+def _convert_into_one_folder(source: str, output: str) -> list[str]:
+    for _ in range(3):  # several rounds, so that the ranks' writes overlap
+        files = convert_zero_checkpoint_to_fp32_state_dict(source, output)
+    return [f.name for f in files]
+
+
+def test_ranks_converting_into_one_folder(saved, tmp_path):
+    """Every rank of a job converting into the same folder (DeepSpeed's test does so) each finish whole."""
+    root, _ = saved
+    names = run_ranks(_convert_into_one_folder, WORLD, str(root / "s3"), str(tmp_path / "both"), timeout=120)
+    assert names == [["pytorch_model.bin"]] * WORLD
+    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == ["pytorch_model.bin"]  # no temporary left
+    written = torch.load(tmp_path / "both" / "pytorch_model.bin", weights_only=True)
+    expected = get_fp32_state_dict_from_zero_checkpoint(root / "s3")
+    assert set(written) == set(expected) and all(torch.equal(written[k], expected[k]) for k in expected)
 
 
 def test_cli(saved, tmp_path):

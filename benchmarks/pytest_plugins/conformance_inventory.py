@@ -19,6 +19,7 @@ _files: dict[str, dict] = defaultdict(
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--inventory-out", default=None, help="where to write the per-file inventory (JSON)")
+    parser.addoption("--node-ids-out", default=None, help="where to write the selected node ids (JSON list)")
 
 
 def _file_of(nodeid: str) -> str:
@@ -50,6 +51,10 @@ def pytest_deselected(items) -> None:
 def pytest_collection_finish(session) -> None:
     for item in session.items:
         _files[_file_of(item.nodeid)]["selected"] += 1
+    ids_out = session.config.getoption("node_ids_out")
+    if ids_out:  # for a sampled run (benchmarks/unit_test_sample.py): which tests there are to choose from
+        with open(ids_out, "w") as handle:
+            json.dump([item.nodeid for item in session.items], handle, indent=0)
     out = session.config.getoption("inventory_out")
     if out:
         with open(out, "w") as handle:

@@ -62,8 +62,9 @@ SAFETENSORS_DTYPES = {
 class _Entry:
     """One output key: its shape and dtype (known without reading), and how to read its value."""
 
-    def __init__(self, key: str, shape, dtype: torch.dtype, read):
+    def __init__(self, key: str, shape, dtype: torch.dtype, read, source: str | None = None):
         self.key, self.shape, self.dtype, self.read = key, tuple(shape), dtype, read
+        self.source = source or key  # a tied alias names the parameter it shares storage with
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +91,9 @@ def _entries(reader: CheckpointReader, exclude_frozen_parameters: bool) -> list[
         source = shared.get(key, key)
         if exclude_frozen_parameters and source in frozen:
             continue
-        entries.append(_Entry(key, reader.shape(source), torch.float32, _param_reader(reader, source)))
+        entries.append(
+            _Entry(key, reader.shape(source), torch.float32, _param_reader(reader, source), source)
+        )
     return entries
 
 
@@ -229,7 +232,7 @@ def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, st
         offset += entry.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _private_tmp(path)
     with open(tmp, "wb") as f:
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
@@ -244,10 +247,27 @@ def _write_safetensors(path: Path, entries: list[_Entry], metadata: dict[str, st
     os.replace(tmp, path)
 
 
+def _private_tmp(path: Path) -> Path:
+    """This process's temporary name for `path`: when every rank of a job converts the same checkpoint into
+    the same folder (DeepSpeed's scripts do), one shared name lets one rank rename away the file another
+    is still writing; with one name per process each rank's rename is whole and the last one wins."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
 def _write_torch(path: Path, entries: list[_Entry]) -> None:
-    """pytorch_model.bin style: torch.save needs the whole shard in memory (use safetensors for streaming)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({e.key: e.read() for e in entries}, tmp)
+    """pytorch_model.bin style: torch.save needs the whole shard in memory (use safetensors for streaming).
+
+    Tied aliases hold the very tensor of the parameter they share (read once), as in the model and in
+    DeepSpeed's output: torch.save stores it once and loading gives one tensor under both keys.
+    """
+    tmp = _private_tmp(path)
+    values: dict[str, torch.Tensor] = {}
+    state = {}
+    for e in entries:
+        if e.source not in values:
+            values[e.source] = e.read()
+        state[e.key] = values[e.source]
+    torch.save(state, tmp)
     os.replace(tmp, path)
 
 
@@ -288,7 +308,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             "weight_map": {e.key: name for name, shard in zip(names, shards) for e in shard},
         }
         index_path = output / f"{stem}.{ext}.index.json"
-        tmp = index_path.with_name(f".{index_path.name}.tmp")
+        tmp = _private_tmp(index_path)
         tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, index_path)
         written.append(index_path)

@@ -330,6 +330,7 @@ PATHS: dict[str, object] = {
         "(shardspeed/launcher/multinode.py) behind the same flags",
         True,
     ),
+    "launcher.multinode_runner.MultiNodeRunner": "shardspeed.compat.mirrors.launcher_runner:MultiNodeRunner",
     # -- deepspeed.checkpoint --------------------------------------------------------------------------------
     "checkpoint.DeepSpeedCheckpoint": "shardspeed.compat.mirrors.deepspeed_checkpoint:DeepSpeedCheckpoint",
     "checkpoint.deepspeed_checkpoint": "shardspeed.compat.mirrors.deepspeed_checkpoint",

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from shardspeed.ops.adam_subgroups import SubgroupSteps
 from shardspeed.optimizers._impl import (
     GradNoneByDefault,
     HalfGroupsStep,
@@ -144,8 +145,11 @@ class FusedAdam(GradNoneByDefault, _TorchBackedAdam):
         self.set_grad_none = set_grad_none
 
 
-class DeepSpeedCPUAdam(HalfGroupsStep, _TorchBackedAdam):
+class DeepSpeedCPUAdam(SubgroupSteps, HalfGroupsStep, _TorchBackedAdam):
     """DeepSpeed's SIMD CPU Adam for ZeRO-Offload; here torch's fused CPU Adam/AdamW (the same math).
+
+    `step_subgroup(i)` / `rollback_subgroup(i)` step and undo one ZeRO-3 offload sub-group with the state kept
+    under its number (ops/adam_subgroups.py).
 
     `adamw_mode=True` (default) is AdamW. `fp32_optimizer_states=True` (default) keeps `exp_avg` and
     `exp_avg_sq` in fp32 for fp16/bf16 parameters and does the update in fp32. `amsgrad=True` raises.
