@@ -144,6 +144,8 @@ def test_set_scale_rescales_the_variance_and_refusals_name_the_value():
     opt.set_num_gradients_to_accumulate(5)
     assert opt.smoothing == pytest.approx(1 - 5 / 1000)
     assert AdaScale(torch.optim.SGD(net.parameters(), lr=LR), world_size=2, smoothing=0.25).smoothing == 0.25
+    with pytest.raises(ValueError, match=r"smoothing must be in \[0, 1\), got 1\.5"):
+        AdaScale(torch.optim.SGD(net.parameters(), lr=LR), world_size=2, smoothing=1.5)
 
 
 def test_gradients_kept_out_of_param_grad_are_refused():

@@ -83,6 +83,8 @@ class AdaScale(Optimizer):
         self.param_groups = optimizer.param_groups
         self.set_num_gradients_to_accumulate(num_gradients_to_accumulate, update_smoothing=True)
         if smoothing is not None:
+            if not 0 <= smoothing < 1:
+                raise ValueError(f"AdaScale: smoothing must be in [0, 1), got {smoothing}")
             self._smoothing = smoothing
         if self._world_size * self._num_grads_to_accum <= 1:
             # With one gradient per step there is no spread to estimate the variance from.
@@ -139,8 +141,11 @@ class AdaScale(Optimizer):
 
     def _on_grad(self, group: int, grad: torch.Tensor) -> None:
         if self._local_grad_sqr is None:
-            self._local_grad_sqr = torch.zeros(len(self._optimizer.param_groups), dtype=torch.float64)
-        self._local_grad_sqr[group] += grad.detach().double().pow(2).sum().cpu()
+            # on the gradients' device: no host sync per parameter; one all-reduce and one copy at the end
+            self._local_grad_sqr = torch.zeros(
+                len(self._optimizer.param_groups), dtype=torch.float64, device=grad.device
+            )
+        self._local_grad_sqr[group] += grad.detach().double().pow(2).sum().to(self._local_grad_sqr.device)
         if not self._callback_queued:
             self._callback_queued = True
             # Queued from a callback, the end-of-pass work runs after every callback queued during the pass
@@ -159,6 +164,7 @@ class AdaScale(Optimizer):
         self._local_grad_sqr = None
         if self._world_size > 1:
             dist.all_reduce(local)  # the sum over ranks of each rank's sum over micro-batches
+        local = local.cpu()
         params = [p for group in self._optimizer.param_groups for p in group["params"]]
         if all(p.grad is None for p in params):
             # gradients arrived but none is left in .grad: a wrapper keeps them elsewhere (ShardedDataParallel
