@@ -41,6 +41,7 @@ class SuiteSpec:
     quiet_wait_s: float = 90.0  # ... but no longer than this per job (the wait is recorded)
     reduce_bucket_size: int | None = None  # override for the shardspeed and DeepSpeed engines
     max_grad_norm: float = 0.0  # gradient clipping in every system (engines: gradient_clipping); 0: off
+    start_method: str = "spawn"  # of each job's ranks (worker.JobSpec.start_method)
     baseline_tree: str | None = (
         None  # the checkout the baseline-z* rows import (e.g. a worktree of an older commit)
     )
@@ -179,7 +180,7 @@ def run_suite(spec: SuiteSpec, log=print) -> dict:
             job = JobSpec(
                 s.name, spec.model, micro, spec.steps, spec.warmup, spec.seed,
                 Hyper(impl=spec.adam, max_grad_norm=spec.max_grad_norm),
-                reduce_bucket_size=spec.reduce_bucket_size,
+                reduce_bucket_size=spec.reduce_bucket_size, start_method=spec.start_method,
             )  # fmt: skip
             status, out = run_job(job)
             loads.append(load_average())

@@ -40,6 +40,9 @@ class JobSpec:
     timeout_s: float = 900.0
     profile: bool = False  # run benchmarks/profile_step.py's body instead of the timed one
     reduce_bucket_size: int | None = None  # zero_optimization.reduce_bucket_size for both engines
+    # how the ranks start: "spawn" (a fresh interpreter each, what a measurement wants) or "forkserver" (the
+    # test suite's smoke run, whose fork server has torch imported already; its timings mean nothing)
+    start_method: str = "spawn"
 
 
 def _free_port() -> int:
@@ -170,7 +173,7 @@ def run_job(job: JobSpec) -> tuple[str, object]:
     from benchmarks.systems import SYSTEMS
 
     system = SYSTEMS[job.system]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(job.start_method)
     results = ctx.Queue()
     port = _free_port()
     env = dict(system.env)
