@@ -53,6 +53,7 @@ FILES = [
     ("tests/nn/data_parallel/test_sharded_ddp_pytorch_parity.py", "ShardedDDP + OSS against DDP"),
     ("tests/nn/wrap/test_wrap.py", "enable_wrap / wrap / auto_wrap and the policies"),
     ("tests/nn/checkpoint/test_checkpoint_activations.py", "checkpoint_wrapper"),
+    ("tests/nn/misc/test_flatten_params_wrapper.py", "FlattenParamsWrapper"),
     ("tests/nn/checkpoint/test_checkpoint_activations_norm.py", "checkpoint_wrapper around batch norm"),
     ("tests/optim/test_single_node_adascale.py", "AdaScale: gain, accumulation, scale, schedulers"),
     ("tests/nn/data_parallel/test_fsdp_summon_full_params.py", "FSDP summon_full_params"),

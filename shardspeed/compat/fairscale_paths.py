@@ -26,10 +26,7 @@ _WRAP = "shardspeed.fairscale.wrap"
 _CKPT = "shardspeed.fairscale.checkpoint_wrapper"
 _OFFLOAD = "shardspeed.fairscale.offload_model:OffloadModel"
 _PIPE = "shardspeed.fairscale.pipe:Pipe"
-_FLATTEN = (
-    "FlattenParamsWrapper on its own is not offered; FullyShardedDataParallel(flatten_parameters=True) flattens "
-    "the parameters it shards"
-)
+_FLATTEN = "shardspeed.fairscale.flatten_params:FlattenParamsWrapper"
 _SCALER = (
     "FairScale's gradient scalers are not built: under ShardedDataParallel the gradients are shards that a "
     "GradScaler walking param.grad cannot see; train in bf16, or in fp32"
@@ -79,9 +76,9 @@ FAIRSCALE_PATHS: dict[str, object] = {
     "nn.checkpoint_wrapper": f"{_CKPT}:checkpoint_wrapper",
     "nn.misc.checkpoint_wrapper": f"{_CKPT}:checkpoint_wrapper",
     "experimental.nn.offload.OffloadModel": _OFFLOAD,
-    "nn.FlattenParamsWrapper": NotOffered(_FLATTEN),
-    "nn.misc.FlattenParamsWrapper": NotOffered(_FLATTEN),
-    "nn.misc.flatten_params_wrapper.FlattenParamsWrapper": NotOffered(_FLATTEN),
+    "nn.FlattenParamsWrapper": _FLATTEN,
+    "nn.misc.FlattenParamsWrapper": _FLATTEN,
+    "nn.misc.flatten_params_wrapper.FlattenParamsWrapper": _FLATTEN,
     "nn.Pipe": _PIPE,
     "nn.pipe.Pipe": _PIPE,
     "nn.pipe.pipe.Pipe": _PIPE,

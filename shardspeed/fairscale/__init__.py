@@ -4,13 +4,15 @@ FairScale's names map onto the features shardspeed already has: `OSS` is ZeRO st
 `ShardedDataParallel` with an OSS is ZeRO stage 2 (sharded_ddp.py), `FullyShardedDataParallel` is ZeRO stage 3
 with its parameters sharded per wrapped module (fsdp.py; nesting with wrap.py), `OffloadModel` is parameter
 offload slice by slice (offload_model.py), `checkpoint_wrapper` is activation checkpointing
-(checkpoint_wrapper.py), `AdaScale` scales the learning rate by the gain of a larger batch (adascale.py)
+(checkpoint_wrapper.py), `FlattenParamsWrapper` packs a module's parameters into flat ones
+(flatten_params.py), `AdaScale` scales the learning rate by the gain of a larger batch (adascale.py)
 and `Pipe` runs a sequential model in micro-batches over devices (pipe.py). docs/compatibility.md ("FairScale")
 lists every name and what differs. shardspeed/compat/fairscale_paths.py places FairScale's import paths.
 """
 
 from shardspeed.fairscale.adascale import AdaScale, AdaScaleWrapper
 from shardspeed.fairscale.checkpoint_wrapper import checkpoint_wrapper
+from shardspeed.fairscale.flatten_params import FlattenParamsWrapper
 from shardspeed.fairscale.fsdp import FullyShardedDataParallel
 from shardspeed.fairscale.offload_model import OffloadModel
 from shardspeed.fairscale.oss import OSS
@@ -28,6 +30,7 @@ __all__ = [
     "OSS",
     "AdaScale",
     "AdaScaleWrapper",
+    "FlattenParamsWrapper",
     "FullyShardedDataParallel",
     "OffloadModel",
     "Pipe",

@@ -19,6 +19,8 @@ a per-tensor rule (LAMB's trust ratio, LBFGS) would apply per shard; other class
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -41,6 +43,7 @@ ELEMENTWISE_OPTIMIZERS = (
     torch.optim.RAdam,
     torch.optim.Rprop,
 )
+logger = logging.getLogger(__name__)
 BUCKET_NUMEL = 50_000_000  # elements per flat bucket: a few large gathers, never the whole model at once
 
 
@@ -72,9 +75,12 @@ class OSS(torch.optim.Optimizer):
     def __init__(self, params, optim: type = torch.optim.SGD, group=None, broadcast_buffer_size: int = -1,
                  broadcast_fp16: bool = False, force_broadcast_object: bool = False, **default):  # fmt: skip
         if broadcast_buffer_size != -1:
-            raise ValueError(
-                f"OSS(broadcast_buffer_size={broadcast_buffer_size}): deprecated and unused in FairScale 0.4; "
-                "shardspeed gathers whole flat buckets (leave it at -1)"
+            # FairScale 0.4 takes it and uses it nowhere (its docstring: "deprecated ... not being used
+            # anymore"); code written for older FairScale still passes it. Taken the same way, said aloud.
+            logger.warning(
+                "OSS(broadcast_buffer_size=%s): deprecated in FairScale 0.4 and unused there and here "
+                "(whole flat buckets are gathered)",
+                broadcast_buffer_size,
             )
         if force_broadcast_object:
             raise ValueError(
