@@ -269,9 +269,15 @@ PATHS: dict[str, object] = {
     ),
     "runtime.config.DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
     "runtime.config.ZeroStageEnum": "shardspeed.compat.mirrors.deepspeed_types:ZeroStageEnum",
-    "runtime.config_utils.DeepSpeedConfigModel": NotOffered(
-        "DeepSpeed's pydantic config base class; shardspeed has one config system of dataclasses (shardspeed.config)"
-    ),
+    # DeepSpeed's pydantic config classes (pydantic imported only when one of them is): DeepSpeedConfigModel is
+    # a base for other people's configs; the fp16/bf16 classes are views of shardspeed's own blocks
+    "runtime.config_utils": "shardspeed.compat.mirrors.config_utils",
+    "runtime.config_utils.DeepSpeedConfigModel": "shardspeed.compat.mirrors.config_model:DeepSpeedConfigModel",
+    "runtime.zero.config.DeepSpeedConfigModel": "shardspeed.compat.mirrors.config_model:DeepSpeedConfigModel",
+    "runtime.zero.config.pp_int": "shardspeed.compat.mirrors.config_utils:pp_int",
+    "runtime.zero.config.get_scalar_param": "shardspeed.compat.mirrors.config_utils:get_scalar_param",
+    "runtime.precision_config.DeepSpeedFP16Config": "shardspeed.compat.mirrors.precision_config:DeepSpeedFP16Config",
+    "runtime.precision_config.DeepSpeedBF16Config": "shardspeed.compat.mirrors.precision_config:DeepSpeedBF16Config",
     "runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine": NotOffered(
         "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only checkpoint files itself"
     ),

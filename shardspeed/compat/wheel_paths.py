@@ -216,11 +216,6 @@ _NAMES_NOT_OFFERED = {
         INTERNAL,
     ),
     "sequence.layer": ("_SeqAllToAll", INTERNAL),
-    "runtime.precision_config": (
-        "DeepSpeedFP16Config DeepSpeedBF16Config",
-        "DeepSpeed's pydantic config classes; shardspeed checks the fp16/bf16 blocks in its one config system "
-        "(runtime.precision_config.get_float16_config / get_bfloat16_config return them)",
-    ),
     "inference.config": ("DeepSpeedMoEConfig", "MoE inference kernels are not built"),
 }
 
