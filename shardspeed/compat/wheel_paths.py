@@ -210,11 +210,7 @@ _NAMES_NOT_OFFERED = {
     ),
     "runtime.zero.parameter_offload": ("ZeROOrderedDict ensure_zero_ordered_dict", INTERNAL),
     "runtime.zero.offload_states": ("get_state_devices _make_offload_state_key", INTERNAL),
-    "runtime.utils": (
-        "is_model_parallel_parameter register_output_backward_hooks count_used_parameters_in_backward "
-        "CheckOverflow get_weight_norm",
-        INTERNAL,
-    ),
+    "runtime.utils": ("register_output_backward_hooks", INTERNAL),
     "sequence.layer": ("_SeqAllToAll", INTERNAL),
     "inference.config": ("DeepSpeedMoEConfig", "MoE inference kernels are not built"),
 }
