@@ -30,6 +30,13 @@ _DATA_ANALYZER = (
     "per sample and write the curriculum's index files with shardspeed.data_pipeline.write_metric_index"
 )
 
+_ROLLOUT_BACKEND = (
+    "DeepSpeed's HybridEngineRollout (its own decode loop with continuous batching and CUDA-graph capture) is not "
+    "built; generate with the hybrid engine (engine.generate takes Hugging Face generate's arguments) or subclass "
+    "deepspeed.runtime.rollout.RolloutEngine"
+)
+_ROLLOUT_OPSD = "the on-policy distillation losses (generalized JSD over response tokens) are not built"
+
 PATHS: dict[str, object] = {
     # -- top-level names (`deepspeed.X`) -----------------------------------------------------------------
     "initialize": "shardspeed.api:initialize",
@@ -289,6 +296,16 @@ PATHS: dict[str, object] = {
     "runtime.data_pipeline": "shardspeed.data_pipeline",
     "runtime.data_pipeline.constants": "shardspeed.compat.mirrors.data_pipeline_constants",
     "runtime.data_pipeline.config": NotOffered(
+    # -- deepspeed.runtime.rollout: the interface RL trainers generate through; DeepSpeed's backend is not built ---
+    "runtime.rollout": "shardspeed.compat.mirrors.rollout",
+    "runtime.rollout.base": "shardspeed.compat.mirrors.rollout",
+    "runtime.rollout.HybridEngineRollout": NotOffered(_ROLLOUT_BACKEND),
+    "runtime.rollout.hybrid_engine_rollout": NotOffered(_ROLLOUT_BACKEND, True),
+    "runtime.rollout.continuous_batching": NotOffered(_ROLLOUT_BACKEND, True),
+    "runtime.rollout.JSDLossOutput": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.ResponseTokenBatch": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.generalized_jsd_loss": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.opsd": NotOffered(_ROLLOUT_OPSD, True),
         "DeepSpeed's dict getters of the data_efficiency block; shardspeed parses the block in its one config "
         "system (shardspeed.config.data_efficiency; engine.data_efficiency_config() returns it typed)",
         True,

@@ -141,7 +141,6 @@ _STAND_IN_MODULES = {
     "runtime.chunked_cross_entropy": NOT_BUILT,
     "runtime.domino": "Domino (tensor-parallel communication overlap) is not built",
     "runtime.hybrid_engine_graph": "the CUDA-graph variant of the hybrid engine is not built; runtime.hybrid_engine is",
-    "runtime.rollout": "the hybrid engine's rollout API (RLHF generation) is not built",
     "runtime.fp16.loss_scaler": "DeepSpeed's loss-scaler classes are internal to its optimizers; the engine's "
     "optimizer scales the loss (engine.optimizer.cur_scale, the fp16 block configures it)",
     "runtime.sparse_tensor": "sparse embedding gradients (sparse_gradients) are not built",
