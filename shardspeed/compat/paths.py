@@ -100,7 +100,11 @@ PATHS: dict[str, object] = {
         "search's own helpers are shardspeed.autotuning.dicts (all_combinations, get_val_by_key, ...)",
         True,
     ),
-    "elasticity": NotOffered("elastic training (the `elasticity` block) is not built", True),
+    "elasticity": NotOffered(
+        "elastic training was removed in DeepSpeed 0.19 (its wheel has no deepspeed.elasticity, and both refuse "
+        "the `elasticity` block); set the batch sizes directly",
+        True,
+    ),
     "compile": NotOffered(
         "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module", True
     ),
@@ -292,10 +296,6 @@ PATHS: dict[str, object] = {
     "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.core.optimizer_wrapper:OptimizerWrapper",
     "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
     "runtime.hybrid_engine.DeepSpeedHybridEngine": "shardspeed.runtime.hybrid_engine:HybridEngine",
-    # -- deepspeed.runtime.data_pipeline: curriculum learning and random-LTD (shardspeed/data_pipeline) ---------
-    "runtime.data_pipeline": "shardspeed.data_pipeline",
-    "runtime.data_pipeline.constants": "shardspeed.compat.mirrors.data_pipeline_constants",
-    "runtime.data_pipeline.config": NotOffered(
     # -- deepspeed.runtime.rollout: the interface RL trainers generate through; DeepSpeed's backend is not built ---
     "runtime.rollout": "shardspeed.compat.mirrors.rollout",
     "runtime.rollout.base": "shardspeed.compat.mirrors.rollout",
@@ -306,6 +306,10 @@ PATHS: dict[str, object] = {
     "runtime.rollout.ResponseTokenBatch": NotOffered(_ROLLOUT_OPSD),
     "runtime.rollout.generalized_jsd_loss": NotOffered(_ROLLOUT_OPSD),
     "runtime.rollout.opsd": NotOffered(_ROLLOUT_OPSD, True),
+    # -- deepspeed.runtime.data_pipeline: curriculum learning and random-LTD (shardspeed/data_pipeline) ---------
+    "runtime.data_pipeline": "shardspeed.data_pipeline",
+    "runtime.data_pipeline.constants": "shardspeed.compat.mirrors.data_pipeline_constants",
+    "runtime.data_pipeline.config": NotOffered(
         "DeepSpeed's dict getters of the data_efficiency block; shardspeed parses the block in its one config "
         "system (shardspeed.config.data_efficiency; engine.data_efficiency_config() returns it typed)",
         True,
