@@ -1,6 +1,11 @@
 """DeepSpeed's `runtime.rollout` interface (compat/mirrors/rollout.py): the request, sampling and batch
 dataclasses check their shapes, a `RolloutEngine` subclass generates through them (here a backend that
-answers with a real model's greedy tokens), and `build_rollout` refuses what it cannot build, by name.
+answers with a real model's greedy tokens), and `build_rollout` makes the backend its config names.
+
+`HybridEngineRollout` (compat/mirrors/rollout_hybrid_engine.py) on a real hybrid engine: its greedy rollout is
+the model's greedy tokens, each prompt repeated `n_samples_per_prompt` times, cut after the first EOS with
+DeepSpeed's padding and masks; a sampled rollout has the same layout; DeepSpeed's decode-loop options are
+refused by name.
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ from shardspeed.runtime.rollout import (
     build_rollout,
 )
 from shardspeed.runtime.rollout.base import RolloutConfig
+from shardspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRollout, HybridEngineRolloutConfig
+
+from harness import run_ranks
+from inference_models import TinyLlama, greedy_reference
+
+PAD = 0
 
 
 class GreedyRollout(RolloutEngine):
@@ -82,12 +93,73 @@ def test_a_backend_generates_through_the_interface():
         RolloutEngine()
 
 
-def test_build_rollout_refuses_what_it_cannot_build():
+def test_build_rollout_makes_the_backend_its_config_names():
     with pytest.raises(ValueError, match="Unknown rollout engine 'vllm'"):
         build_rollout(RolloutConfig(engine="vllm"))
     with pytest.raises(ValueError, match="needs both student_engine and tokenizer"):
         build_rollout(RolloutConfig(), student_engine=object())
-    with pytest.raises(
-        NotOfferedError, match=r"deepspeed\.runtime\.rollout\.HybridEngineRollout is not offered"
-    ):
-        build_rollout(RolloutConfig(), student_engine=object(), tokenizer=object())
+    rollout = build_rollout(RolloutConfig(), student_engine="engine", tokenizer="tokenizer")
+    assert isinstance(rollout, HybridEngineRollout) and rollout.engine == "engine"
+    assert rollout.sync_weights(step=3) is None and not rollout.use_graph_capture
+    with pytest.raises(NotOfferedError, match="enable_profiling, use_shared_prefill is not offered"):
+        HybridEngineRollout(
+            None, None, HybridEngineRolloutConfig(enable_profiling=True, use_shared_prefill=True)
+        )
+
+
+class _Tokenizer:
+    def __init__(self, eos: int) -> None:
+        self.pad_token_id, self.eos_token_id = PAD, eos
+
+
+def _hybrid_rollouts() -> dict:
+    import shardspeed
+
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "hybrid_engine": {"enabled": True, "max_out_tokens": 32},
+    }
+    engine, *_ = shardspeed.initialize(model=TinyLlama(vocab=64), config=config)
+    prompts = torch.tensor([[5, 9, 3, 17], [8, 2, 30, 11]])
+    with torch.no_grad():
+        reference = [greedy_reference(engine.module, row.tolist(), 6) for row in prompts]
+    eos = reference[0][2]  # the first prompt's response ends at its third token
+    rollout = HybridEngineRollout(engine, _Tokenizer(eos), HybridEngineRolloutConfig(use_graph_capture=True))
+    request = RolloutRequest(prompts, torch.ones_like(prompts))
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.8, top_k=5, n_samples_per_prompt=2)
+    sampled = rollout.generate(request, sampling)
+    refused = ""
+    try:  # graph capture would act on a greedy rollout: refused there, by name
+        rollout.generate(request, SamplingConfig(max_new_tokens=6, temperature=0.0))
+    except NotOfferedError as error:
+        refused = str(error)
+    rollout.use_graph_capture = False
+    greedy = rollout.generate(
+        request, SamplingConfig(max_new_tokens=6, temperature=0.0, n_samples_per_prompt=2)
+    )
+    engine.destroy()
+    return {"reference": reference, "eos": eos, "greedy": greedy, "sampled": sampled, "refused": refused}
+
+
+def _cut_after_eos(response: list[int], eos: int) -> tuple[list[int], list[int]]:
+    """DeepSpeed's layout of one response: tokens up to the first EOS, then padding; its attention mask."""
+    end = response.index(eos) + 1 if eos in response else len(response)
+    return response[:end] + [PAD] * (len(response) - end), [1] * end + [0] * (len(response) - end)
+
+
+def test_hybrid_engine_rollout_is_the_models_generation_in_deepspeeds_layout():
+    (result,) = run_ranks(_hybrid_rollouts, 1)
+    greedy, eos = result["greedy"], result["eos"]
+    assert greedy.input_ids.shape == (4, 10) and greedy.response_start_idx.tolist() == [4] * 4
+    for row in range(4):
+        prompt = [[5, 9, 3, 17], [8, 2, 30, 11]][row // 2]
+        tokens, mask = _cut_after_eos(result["reference"][row // 2], eos)
+        assert greedy.input_ids[row].tolist() == prompt + tokens
+        assert greedy.attention_mask[row].tolist() == [1] * 4 + mask
+    assert greedy.input_ids[0, 7:].tolist() == [PAD] * 3  # the first prompt's EOS is its third token
+    sampled = result["sampled"]
+    assert sampled.input_ids.shape == (4, 10) and sampled.response_start_idx.tolist() == [4] * 4
+    assert ((sampled.input_ids >= 0) & (sampled.input_ids < 64)).all()
+    assert "use_graph_capture is not offered by shardspeed" in result["refused"]

@@ -31,9 +31,8 @@ _DATA_ANALYZER = (
 )
 
 _ROLLOUT_BACKEND = (
-    "DeepSpeed's HybridEngineRollout (its own decode loop with continuous batching and CUDA-graph capture) is not "
-    "built; generate with the hybrid engine (engine.generate takes Hugging Face generate's arguments) or subclass "
-    "deepspeed.runtime.rollout.RolloutEngine"
+    "DeepSpeed's continuous-batching decode loop is not built; HybridEngineRollout generates with the engine's "
+    "own generate, one batch per request"
 )
 _ROLLOUT_OPSD = "the on-policy distillation losses (generalized JSD over response tokens) are not built"
 
@@ -296,11 +295,12 @@ PATHS: dict[str, object] = {
     "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.core.optimizer_wrapper:OptimizerWrapper",
     "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
     "runtime.hybrid_engine.DeepSpeedHybridEngine": "shardspeed.runtime.hybrid_engine:HybridEngine",
-    # -- deepspeed.runtime.rollout: the interface RL trainers generate through; DeepSpeed's backend is not built ---
+    # -- deepspeed.runtime.rollout: the interface RL trainers generate through, and its hybrid-engine backend -----
     "runtime.rollout": "shardspeed.compat.mirrors.rollout",
     "runtime.rollout.base": "shardspeed.compat.mirrors.rollout",
-    "runtime.rollout.HybridEngineRollout": NotOffered(_ROLLOUT_BACKEND),
-    "runtime.rollout.hybrid_engine_rollout": NotOffered(_ROLLOUT_BACKEND, True),
+    "runtime.rollout.HybridEngineRollout": "shardspeed.compat.mirrors.rollout_hybrid_engine:HybridEngineRollout",
+    "runtime.rollout.build_rollout": "shardspeed.compat.mirrors.rollout_hybrid_engine:build_rollout",
+    "runtime.rollout.hybrid_engine_rollout": "shardspeed.compat.mirrors.rollout_hybrid_engine",
     "runtime.rollout.continuous_batching": NotOffered(_ROLLOUT_BACKEND, True),
     "runtime.rollout.JSDLossOutput": NotOffered(_ROLLOUT_OPSD),
     "runtime.rollout.ResponseTokenBatch": NotOffered(_ROLLOUT_OPSD),

@@ -4,12 +4,12 @@ generations, independent of the engine that makes them.
 Three dataclasses carry the exchange — `RolloutRequest` (left-padded prompts in), `SamplingConfig` (the
 sampling knobs of one call), `RolloutBatch` (prompt + response in one tensor out) — and check their shapes
 when built; `RolloutEngine` is the abstract base a backend implements (`generate`, `sync_weights`,
-`shutdown`); `build_rollout` picks the backend named by `RolloutConfig.engine`.
+`shutdown`); `build_rollout` (with the backend, in rollout_hybrid_engine.py) picks the backend named by
+`RolloutConfig.engine`.
 
-DeepSpeed's one backend, `HybridEngineRollout` (its own decode loop with continuous batching and CUDA-graph
-capture), is not built, so `build_rollout` refuses it by name once its arguments are complete. A trainer
-generates with the hybrid engine itself (`engine.generate`, Hugging Face `generate`'s arguments; see
-shardspeed/inference/rollout.py) or brings its own `RolloutEngine` subclass.
+DeepSpeed's one backend, `HybridEngineRollout`, generates with the training engine's own `generate`
+(rollout_hybrid_engine.py; shardspeed/inference/rollout.py is the decode behind it); a trainer may also bring
+its own `RolloutEngine` subclass.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-
-from shardspeed.compat.finder import resolve
 
 # DeepSpeed's `runtime.rollout` is a package: a search path lets `runtime.rollout.base`, `.opsd`, ... import
 # (the path table answers them)
@@ -31,7 +29,6 @@ __all__ = [
     "RolloutEngine",
     "RolloutRequest",
     "SamplingConfig",
-    "build_rollout",
 ]
 
 
@@ -130,20 +127,3 @@ class RolloutEngine(ABC):
     def shutdown(self) -> None:
         """Release the backend's resources (none by default)."""
         return None
-
-
-def build_rollout(rollout_cfg, student_engine=None, tokenizer=None, **kwargs) -> RolloutEngine:
-    """The backend `rollout_cfg.engine` names, for `student_engine` (the training engine) and `tokenizer`.
-
-    ValueError for an unknown backend, or for "hybrid_engine" without both the engine and the tokenizer (as in
-    DeepSpeed); NotOfferedError for "hybrid_engine" given both, since that backend is not built here.
-    """
-    name = rollout_cfg.engine
-    if name != "hybrid_engine":
-        raise ValueError(f"Unknown rollout engine {name!r}; choose from 'hybrid_engine'")
-    if student_engine is None or tokenizer is None:
-        raise ValueError("hybrid_engine rollout needs both student_engine and tokenizer")
-    backend = resolve(
-        "runtime.rollout.HybridEngineRollout"
-    )  # the table's stand-in: calling it raises, saying why
-    return backend(engine=student_engine, tokenizer=tokenizer, cfg=rollout_cfg, **kwargs)
