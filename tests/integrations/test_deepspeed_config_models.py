@@ -45,7 +45,11 @@ class Example(DeepSpeedConfigModel):
 
 
 def test_a_deprecated_field_sets_its_replacement_converted():
-    assert Example(old_names="a,b").names == ["a", "b"]
+    replaced = Example(old_names="a,b")
+    assert replaced.names == ["a", "b"]
+    assert "old_names" not in replaced.model_dump()  # gone once replaced, as in DeepSpeed
+    with pytest.raises(AttributeError):
+        replaced.old_names  # noqa: B018
     assert Example(old_size=8).inner.size == 8
     assert Example(kept=5).count == 0  # set_new_param false: only the warning
     with pytest.raises(AssertionError, match="Cannot provide deprecated parameter 'old_names' and replacing"):

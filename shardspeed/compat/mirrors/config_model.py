@@ -11,8 +11,8 @@ What a subclass gets, as in DeepSpeed:
   its alias, enum fields hold their values;
 * a deprecated field is declared `Field(default, json_schema_extra={"deprecated": True, "new_param":
   "new_name", "new_param_fn": convert})`: giving it logs a warning and, when `new_param` names the field
-  that replaced it (`"sub.name"` reaches into a nested config), sets that field to `convert(value)` (unless
-  `set_new_param` is false). Giving both the old and the new field is an AssertionError, as in DeepSpeed;
+  that replaced it (`"sub.name"` reaches into a nested config), sets that field to `convert(value)` and
+  removes the old one from the instance (unless `set_new_param` is false). Giving both the old and the new field is an AssertionError, as in DeepSpeed;
 * `"auto"` values (HF Transformers' placeholders left unfilled) are dropped so the field keeps its default,
   as shardspeed's own config loader does, and with the same warning naming the keys (DeepSpeed drops them
   silently); `strict=True` keeps them, to be validated like any other value.
@@ -91,6 +91,7 @@ class DeepSpeedConfigModel(BaseModel):
                 f"Cannot provide deprecated parameter '{name}' and replacing parameter '{new_name}' together"
             )
         setattr(owner, leaf, convert(getattr(self, name)))  # validated: validate_assignment
+        delattr(self, name)  # replaced: gone from the instance and its dump, as in DeepSpeed
 
     @field_serializer("dtype", check_fields=False)
     def _serialize_torch_dtype(self, dtype: torch.dtype) -> str:
