@@ -65,4 +65,5 @@ def test_a_stand_in_exception_class_is_an_exception_class_never_raised():
             pytest.fail("a stand-in exception class was raised")
     with pytest.raises(NotOfferedError):
         elasticity_error("constructing it says it is not offered")
+    assert issubclass(shardspeed.elasticity.config.ElasticityIncompatibleWorldSize, Exception)
     assert not issubclass(shardspeed.elasticity.config.ElasticityConfig, BaseException)

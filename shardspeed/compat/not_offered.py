@@ -36,6 +36,10 @@ class NotOffered:
         return f"NotOffered({self.reason!r}, module={self.module})"
 
 
+# DeepSpeed exception classes whose names do not end in Error or Exception
+_EXCEPTIONS_NAMED_OTHERWISE = frozenset({"ElasticityIncompatibleWorldSize"})
+
+
 def _message(deepspeed_path: str, reason: str, package: str = "deepspeed") -> str:
     return f"{package}.{deepspeed_path} is not offered by shardspeed: {reason}"
 
@@ -65,7 +69,9 @@ def not_offered_class(deepspeed_path: str, reason: str, package: str = "deepspee
         "__module__": "shardspeed.compat.not_offered",
         "__qualname__": name,
     }
-    bases = (Exception,) if name.endswith(("Error", "Exception")) else ()
+    bases = (
+        (Exception,) if name.endswith(("Error", "Exception")) or name in _EXCEPTIONS_NAMED_OTHERWISE else ()
+    )
     return _StandInMeta(name, bases, namespace)
 
 
