@@ -14,12 +14,15 @@
   (about two thirds of a Llama layer's) and nothing survives it; the next call copies the weights as they
   are then, so generation after an optimizer step sees the updated model. Separate matmuls would cost
   each decode step three launches where one does (the unsharded fast path fuses the same way).
+* LoRA linears (DeepSpeed-Chat's ``LinearLayer_LoRA`` layout) run fused for the call, from fused copies of
+  their weights (lora.py): one matmul per linear, the base weights never written.
 * The KV cache is sized by ``max_out_tokens`` (prompt and new tokens, DeepSpeed's meaning) and, unless
   ``release_inference_cache``, kept for the next call of the same batch size instead of re-allocated.
 
 ``per_layer`` (ZeRO-3 with ``pin_parameters`` false) gives up the single gather for memory: the model's own
 ``generate`` runs with the ZeRO-3 hooks on, gathering one layer at a time for every token, as DeepSpeed does
-without pinned parameters. Arguments our loop does not implement (beam search, logits processors, ...) go to
+without pinned parameters (LoRA linears then run their own, unfused forward: their weights are whole only
+inside it). Arguments our loop does not implement (beam search, logits processors, ...) go to
 the model's own ``generate``, inside the same single gather, so the answer is always the model's.
 """
 
@@ -37,6 +40,7 @@ from torch import nn
 
 from .decoder import FastDecoder, ModelDecoder
 from .generation import GenerationSettings, generate_tokens
+from .lora import fused_lora
 
 __all__ = ["RolloutGenerator"]
 
@@ -66,6 +70,7 @@ class RolloutGenerator:
         self.calls = 0
         self.last_gather_seconds = 0.0  # making the weights whole (DeepSpeed's "Gather latency")
         self.last_generate_seconds = 0.0  # prefill and decode, after the gather
+        self.last_lora_fused = 0  # LoRA linears run fused during the last call (lora.py)
 
     def generate(self, inputs=None, **kwargs):
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
@@ -81,9 +86,10 @@ class RolloutGenerator:
             result = self._model_generate(input_ids, kwargs)
             self.last_generate_seconds = time.perf_counter() - start
             return result
-        with self.gathered():
+        with self.gathered(), fused_lora(self.module) as fused:
             gathered_at = time.perf_counter()
             self.last_gather_seconds = gathered_at - start
+            self.last_lora_fused = fused
             result = self._generate_gathered(input_ids, kwargs, settings)
         self.last_generate_seconds = time.perf_counter() - gathered_at
         return result
