@@ -9,7 +9,8 @@ DeepSpeed's does.
 - fused, the model's logits equal the unfused model's (1e-6, fp32) and the base weights are left the same bits;
 - on 2 ranks at ZeRO 0 and 3: generate runs every LoRA linear fused (its unfused forward is never called),
   gives the greedy tokens of the unsharded, unfused model, leaves the base weights bitwise as they were,
-  and training after it equals training without it.
+  and training after it equals training without it; `engine.fuse_lora_weight()` / `unfuse_lora_weight()`
+  at ZeRO-0, refused by name at ZeRO-3.
 """
 
 from __future__ import annotations
@@ -152,11 +153,12 @@ def _lora_case(stage: int) -> dict:
     layers = [m for m in engine.module.modules() if isinstance(m, LoraLinear)]
     losses = [_train_step(engine, 0)]
     state = _full_state(engine)
+    out = {"engine fuse": _engine_fuse(engine, layers, stage)}
     engine.eval()
     calls = sum(m.unfused_calls for m in layers)
     tokens = engine.generate(PROMPTS, max_new_tokens=8)
-    out = {"unfused calls in generate": sum(m.unfused_calls for m in layers) - calls,
-           "fused count": engine.rollout.last_lora_fused, "tokens": tokens}  # fmt: skip
+    out.update({"unfused calls in generate": sum(m.unfused_calls for m in layers) - calls,
+                "fused count": engine.rollout.last_lora_fused, "tokens": tokens})  # fmt: skip
     after = _full_state(engine)
     out["base unchanged"] = all(torch.equal(state[k], after[k]) for k in state)
     plain = lora_model(left_seed=None)
@@ -169,6 +171,26 @@ def _lora_case(stage: int) -> dict:
     out["losses without generate"] = [_train_step(without, s) for s in range(3)]
     out["forwards restored"] = all("forward" not in m.__dict__ for m in layers)
     return out
+
+
+def _engine_fuse(engine, layers, stage: int):
+    """DeepSpeed's `engine.fuse_lora_weight()` / `unfuse_lora_weight()`: the fused logits' distance from the
+    unfused ones and whether the LoRA linears ran fused (ZeRO 0-2); under ZeRO-3, the refusal."""
+    if stage == 3:
+        try:
+            engine.fuse_lora_weight()
+        except NotImplementedError as err:
+            return str(err)
+        return "no error"
+    with torch.no_grad():
+        unfused = engine.module(PROMPTS).logits
+        engine.fuse_lora_weight()
+        calls = sum(m.unfused_calls for m in layers)
+        fused = engine.module(PROMPTS).logits
+        ran_fused = sum(m.unfused_calls for m in layers) == calls
+        engine.unfuse_lora_weight()
+    return {"diff": (fused - unfused).abs().max().item(), "ran fused": ran_fused,
+            "restored": all("forward" not in m.__dict__ for m in layers)}  # fmt: skip
 
 
 def _lora_cases() -> dict:
@@ -184,3 +206,6 @@ def test_generate_runs_lora_fused_and_training_continues():
             assert out["base unchanged"], stage
             assert out["losses"] == out["losses without generate"], stage  # exactly
             assert out["forwards restored"], stage
+        zero0, zero3 = result[0]["engine fuse"], result[3]["engine fuse"]
+        assert zero0["diff"] <= 1e-6 and zero0["ran fused"] and zero0["restored"]
+        assert zero3.startswith("fuse_lora_weight: under ZeRO-3")

@@ -224,9 +224,9 @@ class PipelineConfig:
 class HybridEngineConfig:
     """``hybrid_engine``: one engine that trains and generates (RLHF actors; runtime/hybrid_engine.py).
 
-    ``generate`` gathers a ZeRO-3 model once per call and decodes on the inference package's KV-cache path.
-    What DeepSpeed does with its inference kernels and tensor slicing that has no counterpart here is refused
-    by name (see ``validate``)."""
+    ``generate`` gathers a ZeRO-3 model once per call (or, with ``inference_tp_size`` > 1, splits it into
+    tensor-parallel shards) and decodes on the inference package's KV-cache path. What DeepSpeed does with
+    its inference kernels that has no counterpart here is refused by name (see ``validate``)."""
 
     enabled: bool = False
     """``deepspeed.initialize`` returns the hybrid engine (``DeepSpeedHybridEngine``). Default false."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from shardspeed.accelerator import get_accelerator
 from shardspeed.config import ConfigError
+from shardspeed.inference.lora import fused_lora
 from shardspeed.inference.rollout import RolloutGenerator
 from shardspeed.inference.tp_rollout import TensorParallelSplit
 from shardspeed.runtime.engine import ShardspeedEngine
@@ -60,6 +61,7 @@ class HybridEngine(ShardspeedEngine):
         # DeepSpeed-Chat generates through `actor_engine.module.generate(...)`: that is this engine's generate
         self.module.generate = self.generate
         self._eval_started: float | None = None
+        self._lora_fused = None  # fuse_lora_weight's open fused_lora block
 
     def _tensor_parallel_split(self, settings) -> TensorParallelSplit:
         """Groups of ``inference_tp_size`` consecutive data-parallel ranks (DeepSpeed's layout), and this
@@ -91,6 +93,25 @@ class HybridEngine(ShardspeedEngine):
     def generate(self, *inputs, **kwargs):
         """Hugging Face ``generate``'s arguments and result; under ZeRO-3 one gather for the whole call."""
         return self.rollout.generate(*inputs, **kwargs)
+
+    def fuse_lora_weight(self) -> None:
+        """DeepSpeed's: run every LoRA linear fused until ``unfuse_lora_weight`` (``generate`` does this by
+        itself). Here from fused copies, the base weights untouched (inference/lora.py); at ZeRO 0-2 only,
+        where the weights are whole outside a gather."""
+        if self.Z3_enabled:
+            raise NotImplementedError(
+                "fuse_lora_weight: under ZeRO-3 the base weights are whole only inside generate(), which fuses "
+                "LoRA by itself; call generate() instead"
+            )
+        if self._lora_fused is None:
+            self._lora_fused = fused_lora(self.module)
+            self._lora_fused.__enter__()
+
+    def unfuse_lora_weight(self) -> None:
+        """Every LoRA linear runs its own forward again (after ``fuse_lora_weight``; otherwise nothing to do)."""
+        if self._lora_fused is not None:
+            fused, self._lora_fused = self._lora_fused, None
+            fused.__exit__(None, None, None)
 
     def eval(self):
         now = time.perf_counter()
