@@ -98,7 +98,7 @@ def test_fused_logits_equal_the_unfused_and_the_base_weights_are_untouched():
         unfused = model(ids).logits
         layers = lora_linears(model)
         calls = sum(m.unfused_calls for m in layers)
-        with fused_lora(model) as count:
+        with fused_lora(model) as copies:
             fused = model(ids).logits
         assert sum(m.unfused_calls for m in layers) == calls  # the fused forward ran, not the module's own
         # DeepSpeed-Chat's own in-place fusion gives the same numbers
@@ -107,7 +107,7 @@ def test_fused_logits_equal_the_unfused_and_the_base_weights_are_untouched():
         in_place = model(ids).logits
         for m in layers:
             m.unfuse_lora_weight()
-    assert count == len(layers) == 14  # q, k, v, o, gate, up, down in each of 2 layers
+    assert len(copies) == len(layers) == 14  # q, k, v, o, gate, up, down in each of 2 layers
     assert (unfused - fused).abs().max() <= 1e-6
     assert (fused - in_place).abs().max() <= 1e-6
     with torch.no_grad():
@@ -158,7 +158,8 @@ def _lora_case(stage: int) -> dict:
     calls = sum(m.unfused_calls for m in layers)
     tokens = engine.generate(PROMPTS, max_new_tokens=8)
     out.update({"unfused calls in generate": sum(m.unfused_calls for m in layers) - calls,
-                "fused count": engine.rollout.last_lora_fused, "tokens": tokens})  # fmt: skip
+                "fused count": engine.rollout.last_lora_fused, "tokens": tokens,
+                "copies bytes": engine.rollout.weight_bytes["copies"]})  # fmt: skip
     after = _full_state(engine)
     out["base unchanged"] = all(torch.equal(state[k], after[k]) for k in state)
     plain = lora_model(left_seed=None)
@@ -206,6 +207,10 @@ def test_generate_runs_lora_fused_and_training_continues():
             assert out["base unchanged"], stage
             assert out["losses"] == out["losses without generate"], stage  # exactly
             assert out["forwards restored"], stage
+            # the fused weights are the call's only copies (LoRA linears are not fused into q/k/v, gate/up)
+            base = lora_model()
+            expected = sum(m.weight.numel() * 4 for m in base.modules() if isinstance(m, LoraLinear))
+            assert out["copies bytes"] == expected, stage
         zero0, zero3 = result[0]["engine fuse"], result[3]["engine fuse"]
         assert zero0["diff"] <= 1e-6 and zero0["ran fused"] and zero0["restored"]
         assert zero3.startswith("fuse_lora_weight: under ZeRO-3")

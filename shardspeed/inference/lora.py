@@ -63,16 +63,18 @@ def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None):
 @contextlib.contextmanager
 def fused_lora(module: nn.Module):
     """Inside the block every LoRA linear under ``module`` runs as one linear over its fused weight; yields
-    how many were fused. The weights must be whole while entering (gathered under ZeRO-3)."""
+    the fused weights (the copies the block holds). The weights must be whole while entering (gathered under
+    ZeRO-3)."""
     layers = lora_linears(module)
-    replaced = []
+    replaced, fused = [], []
     try:
         for layer in layers:
             bias = layer.bias.detach() if getattr(layer, "bias", None) is not None else None
             replaced.append((layer, layer.__dict__.get("forward")))
             # an instance attribute, which nn.Module's __call__ runs instead of the class's forward
-            layer.forward = _plain_linear(fused_weight(layer), bias)
-        yield len(layers)
+            fused.append(fused_weight(layer))
+            layer.forward = _plain_linear(fused[-1], bias)
+        yield fused
     finally:
         for layer, own in replaced:
             if own is None:

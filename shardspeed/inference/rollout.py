@@ -99,12 +99,12 @@ class RolloutGenerator:
         with self.gathered(), fused_lora(self.module) as fused:
             gathered_at = time.perf_counter()
             self.last_gather_seconds = gathered_at - start
-            self.last_lora_fused = fused
-            result = self._generate_gathered(input_ids, kwargs, settings)
+            self.last_lora_fused = len(fused)
+            result = self._generate_gathered(input_ids, kwargs, settings, fused)
         self.last_generate_seconds = time.perf_counter() - gathered_at
         return result
 
-    def _generate_gathered(self, input_ids, kwargs: dict, settings: GenerationSettings):
+    def _generate_gathered(self, input_ids, kwargs: dict, settings: GenerationSettings, lora_copies=()):
         # Decoding with the weights whole runs no collective, so ranks need nothing to stay in step:
         # `synced_gpus` (DeepSpeed-Chat passes it under ZeRO-3) is already what happens.
         synced = kwargs.pop("synced_gpus", None)
@@ -127,7 +127,7 @@ class RolloutGenerator:
         self.weight_bytes = {
             "whole": _nbytes(self.module.parameters()),
             "shards": 0,
-            "copies": _copies(decoder),
+            "copies": _copies(decoder) + _nbytes(lora_copies),  # fused q/k/v, gate/up; fused LoRA weights
         }
         try:
             tokens = generate_tokens(decoder, input_ids, mask, settings, self.max_out_tokens)
