@@ -25,14 +25,14 @@ VOCAB = 64
 PROMPTS = torch.tensor([[[5, 9, 3, 17], [8, 2, 30, 11]], [[40, 1, 7, 7], [12, 60, 33, 4]]])  # [rank, 2, 4]
 
 
-def llama(lora: bool = False) -> nn.Module:
+def llama(lora: bool = False, kv_heads: int = 2) -> nn.Module:
     """The tiny Llama, its MLPs naming their activation (`act_fn`) as Hugging Face's Llama does."""
     if lora:
         from test_hybrid_engine_lora import lora_model
 
         model = lora_model()
     else:
-        model = TinyLlama(vocab=VOCAB)
+        model = TinyLlama(vocab=VOCAB, kv_heads=kv_heads)
     for layer in model.model.layers:
         layer.mlp.act_fn = nn.SiLU()  # what its forward applies (F.silu)
     return model
@@ -47,11 +47,11 @@ def _config(stage: int = 3, **hybrid) -> dict:
     }
 
 
-def _engine(lora: bool = False, stage: int = 3, **hybrid):
+def _engine(lora: bool = False, stage: int = 3, kv_heads: int = 2, **hybrid):
     import shardspeed
 
     torch.manual_seed(0)
-    engine, *_ = shardspeed.initialize(model=llama(lora), config=_config(stage, **hybrid))
+    engine, *_ = shardspeed.initialize(model=llama(lora, kv_heads), config=_config(stage, **hybrid))
     return engine
 
 
@@ -148,6 +148,7 @@ def _tp_cases() -> dict:
     out["refused at stage 2"] = _refusal(stage=2, inference_tp_size=2)
     out["refused unpinned"] = _refusal(inference_tp_size=2, pin_parameters=False)
     out["refused 3 of 2"] = _refusal(inference_tp_size=3)
+    out["refused one kv head"] = _refusal(kv_heads=1, inference_tp_size=2)
     return out
 
 
@@ -196,3 +197,4 @@ def test_what_tp_generation_cannot_do_is_refused_by_name(tp_results):
         assert "zero_optimization.stage is 2" in out["refused at stage 2"]
         assert "pin_parameters" in out["refused unpinned"]
         assert "does not divide the 2 data-parallel ranks" in out["refused 3 of 2"]
+        assert "k_proj has 1 heads, which do not divide over 2 ranks" in out["refused one kv head"]

@@ -92,9 +92,19 @@ class TensorParallelSplit:
         if not FastDecoder.supports(module, max_len):
             return "the model is not in the Llama layout the tensor-parallel decode runs"
         for index, layer in enumerate(module.model.layers):
-            mlp = layer.mlp
+            mlp, attn = layer.mlp, layer.self_attn
             if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
                 return f"layer {index}'s mlp has no gate_proj/up_proj/down_proj/act_fn"
+            for name in (
+                "q_proj",
+                "k_proj",
+            ):  # heads: whole ones per rank (a ZeRO-3 weight's shape is ds_shape)
+                weight = getattr(attn, name).weight
+                heads = getattr(weight, "ds_shape", weight.shape)[0] // attn.head_dim
+                if heads % tp_size:
+                    return (
+                        f"layer {index}'s {name} has {heads} heads, which do not divide over {tp_size} ranks"
+                    )
         return None
 
     def _heads_check(self, q: int, kv: int, head_dim: int) -> None:
