@@ -76,6 +76,18 @@ BAD = {
         lambda d: (d / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(),
         ["zero_pp_rank_1_mp_rank_00_optim_states.pt is missing"],
     ),
+    "truncated expert state": (
+        "moe-ep2-s2",
+        lambda d: _rewrite(
+            d / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            lambda c: c["optimizer_state_dict"]["base_optimizer_state"]["state"][1].update(
+                exp_avg=torch.zeros(70)
+            ),
+        ),
+        [
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt: optimizer state 'exp_avg' of group 1 has 70 elements, expected 72"
+        ],
+    ),
     "old layout": (
         "moe-ep2-s0",
         lambda d: _rewrite(d / "mp_rank_00_model_states.pt", lambda c: c.update(num_experts=2)),

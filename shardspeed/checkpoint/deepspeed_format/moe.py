@@ -81,7 +81,8 @@ class DeepSpeedMoECheckpoint:
         self._read_expert_files()
         self._values: dict[str, torch.Tensor] = {}  # name -> fp32 value (flat layouts resolved on demand)
         self._states: dict[str, dict] = {}
-        self._flat: dict[str, tuple] = {}  # name -> (group, layout, file rank of each layout rank)
+        # ZeRO-1/2: name -> (group, its layout, the file rank of each of the layout's ranks, the name it has there)
+        self._flat: dict[str, tuple] = {}
         self._groups: list[dict] = []
         if self.zero_stage == 0:
             self._index_stage0()
@@ -281,6 +282,10 @@ class DeepSpeedMoECheckpoint:
             for ep_rank in range(ep):  # expert-data-parallel rank k of this ep rank is rank ep_rank + k * ep
                 ranks = [ep_rank + k * ep for k in range(edp)]
                 self._place(g, lay, ranks, {n: self._global(n, ep, ep_rank) for n, _ in params})
+        for name, (_, lay, _, local) in self._flat.items():
+            if lay.places[local].numel != self._shape_of(name).numel():
+                raise CheckpointError(f"{self._model_file}: param_shapes gives {local!r} "
+                                      f"{lay.places[local].numel} elements, its saved tensor {self._shape_of(name)}")  # fmt: skip
         for rank, (path, osd) in enumerate(partitions):
             self._check_partition(path, rank, osd)
         self._partitions = [osd for _, osd in partitions]
@@ -295,14 +300,26 @@ class DeepSpeedMoECheckpoint:
             self._flat[name] = (group, lay, ranks, local)
 
     def _check_partition(self, path: Path, rank: int, osd: dict) -> None:
-        counts = osd.get("partition_count") or []
-        fp32 = osd.get("single_partition_of_fp32_groups") or []
-        for g, lay in enumerate(self._layouts_by_group()):
+        """Every group's fp32 slice and per-element state have the sizes the layout gives this rank, so that no
+        parameter can fail half way through a load."""
+        layouts_ = self._layouts_by_group()
+        counts = list(osd.get("partition_count") or [])
+        fp32 = list(osd.get("single_partition_of_fp32_groups") or [])
+        if len(counts) != len(layouts_) or len(fp32) != len(layouts_):
+            raise CheckpointError(f"{path} holds {len(fp32)} fp32 groups and {len(counts)} partition counts; "
+                                  f"param_shapes gives {len(layouts_)} groups")  # fmt: skip
+        states = osd["base_optimizer_state"].get("state", {})
+        for g, lay in enumerate(layouts_):
             k = rank // (self.world_size // lay.world)  # the rank's place in the group's partitioning
             if counts[g] != lay.world or fp32[g].numel() != lay.expected_fp32_numel(k, 0):
                 raise CheckpointError(f"{path}: group {g} partitioned over {counts[g]} ranks with "
                                       f"{fp32[g].numel()} fp32 elements; its layout gives {lay.world} ranks and "
                                       f"{lay.expected_fp32_numel(k, 0)}")  # fmt: skip
+            for key, value in states.get(g, {}).items():
+                per_element = torch.is_tensor(value) and value.dim() == 1 and key != "step"
+                if per_element and value.numel() != lay.partition_numel[0]:
+                    raise CheckpointError(f"{path}: optimizer state {key!r} of group {g} has {value.numel()} "
+                                          f"elements, expected {lay.partition_numel[0]}")  # fmt: skip
 
     def _layouts_by_group(self) -> list:
         by_group = {}
@@ -355,6 +372,9 @@ class DeepSpeedMoECheckpoint:
 
     def _shape_of(self, name: str) -> torch.Size:
         value = self._module.get(name, self._expert_values.get(name))
+        if value is None:
+            raise CheckpointError(f"{self._model_file}: parameter {name!r} is in param_shapes but neither in "
+                                  "'module' nor in an expert file")  # fmt: skip
         return value.shape
 
 
