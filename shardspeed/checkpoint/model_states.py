@@ -131,6 +131,12 @@ class ModelStates(Part):
             self._check_universal(path, state, options.strict)
             return
         if deepspeed_raw(state) is not None:
+            if getattr(state, "moe", None) is not None:
+                raise CheckpointError(
+                    f"{path} is a DeepSpeed checkpoint of a model with MoE layers (num_experts "
+                    f"{state.get('num_experts')}, layer_<L>_expert_<E>_* files): load it into a model with "
+                    "the same MoE layers"
+                )
             if getattr(state, "pipeline_stages", 1) > 1:
                 raise CheckpointError(
                     f"{path} is a DeepSpeed pipeline checkpoint of {state.pipeline_stages} stages (layer files): "
