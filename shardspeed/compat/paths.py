@@ -57,6 +57,19 @@ PATHS: dict[str, object] = {
     "DeepSpeedInferenceConfig": "shardspeed.config.inference:InferenceConfig",
     "InferenceEngine": "shardspeed.inference.engine:InferenceEngine",
     "tp_model_init": "shardspeed.runtime.tensor_parallel:tp_model_init",
+    # -- AutoTP's layer rules and Hugging Face tp_plans (shardspeed/module_inject) ------------------------------
+    "module_inject.autotp_config.AutoTPPresets": NotOffered(
+        "AutoTP presets are not offered (tensor_parallel.preset_model is refused); AutoTP's built-in names and "
+        "a model's Hugging Face tp_plan place the same layers"
+    ),
+    "module_inject.autotp_config.merge_autotp_configs": NotOffered(
+        "it merges AutoTP presets, which are not offered; give one partition_config"
+    ),
+    "module_inject.tp_plan_converter": "shardspeed.module_inject.tp_plan",
+    "module_inject.auto_tp.AutoTPConfig": "shardspeed.module_inject.autotp_config:AutoTPConfig",
+    "module_inject.auto_tp.PartitionType": "shardspeed.module_inject.autotp_config:PartitionType",
+    "module_inject.auto_tp.TPLayerSpec": "shardspeed.module_inject.autotp_config:TPLayerSpec",
+    "runtime.tensor_parallel.config._get_hf_tp_plan": "shardspeed.module_inject.tp_plan:hf_tp_plan",
     "OnDevice": "shardspeed.utils.init_on_device:OnDevice",
     "get_accelerator": "shardspeed.accelerator:get_accelerator",
     "logger": "shardspeed.utils.logging:logger",

@@ -1,7 +1,8 @@
 """Tensor-parallel layers (DeepSpeed's `deepspeed.module_inject.layers` names) and the shard layout they use.
 
 - `LinearLayer`: column-parallel linear. Holds rows `[r*out/tp, (r+1)*out/tp)` of the weight (and of the
-  bias); its output stays split over the tensor group (the next row-parallel layer consumes it as is).
+  bias); its output stays split over the tensor group (the next row-parallel layer consumes it as is), or,
+  with `gather_output`, is all-gathered whole on every rank (an untied LM head in a Hugging Face tp_plan).
 - `LinearAllreduce`: row-parallel linear. Holds a slice of the input features; the partial products are
   summed over the tensor group in forward, then the (replicated) bias is added once.
 
@@ -23,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardspeed.module_inject.tp_comm import copy_to_tensor_parallel, group_size, reduce_from_tensor_parallel
+from shardspeed.module_inject.tp_comm import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    group_size,
+    reduce_from_tensor_parallel,
+)
 
 __all__ = ["LinearAllreduce", "LinearLayer", "TPPartition", "gather_shards", "shard_tensor"]
 
@@ -116,11 +122,13 @@ class LinearLayer(_TPLinear):
         return cls(w, b, group, transposed)
 
     input_copy = None  # a SharedInputCopy shared with sibling column layers (set by AutoTP), or None
+    gather_output = False  # True: the output is all-gathered, every rank gets all features (one fused part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         copy = self.input_copy if self.input_copy is not None else copy_to_tensor_parallel
         out = self._matmul(copy(x, self.tp_group))
-        return out + self.bias if self.bias is not None else out
+        out = out + self.bias if self.bias is not None else out
+        return gather_from_tensor_parallel(out, self.tp_group) if self.gather_output else out
 
 
 class LinearAllreduce(_TPLinear):
