@@ -89,6 +89,10 @@ def main(args=None) -> int:
     print(f"Converting checkpoint {source} to a universal checkpoint in {output}")
     reader = _open_source(source)
     model_states = layout.read_record_file(layout.model_states_file(reader.path))
+    if int(model_states.get("mp_world_size", 1)) > 1:  # AutoTP shards, merged by the reader: whole values
+        from shardspeed.checkpoint.tensor_parallel import whole_model_states
+
+        model_states = whole_model_states(model_states)
     write_universal(
         reader,
         model_states,

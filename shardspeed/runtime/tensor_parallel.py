@@ -30,7 +30,7 @@ from shardspeed.config import ConfigError
 from shardspeed.core.layout import tensor_group
 from shardspeed.module_inject.auto_tp import TPReport, shard_model
 from shardspeed.module_inject.tp_plan import TPPlanConverter, hf_tp_plan
-from shardspeed.module_inject.tp_state import partitions_of
+from shardspeed.module_inject.tp_state import partitions_of, universal_checkpoint_info
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.utils.logging import log_dist
 
@@ -94,6 +94,7 @@ class TensorParallel:
         self.replicated = [p for p in model.parameters() if getattr(p, "tp_partition", None) is None]
         self.optimizer = None  # the stage wrapper whose gradient norm this completes (`attach`)
         self.device = None
+        self.universal_info = None  # the layout for universal checkpoints (set by `shard`)
         # parameters handed to initialize before sharding -> their sharded replacements, by name
         current = dict(model.named_parameters(remove_duplicate=False))
         self._replacement = {i: current[n] for i, n in (old_names or {}).items() if n in current}
@@ -115,7 +116,11 @@ class TensorParallel:
             rules = {}
         report = shard_model(model, group, vocab_parallel=bool(block.vocab_parallel_lm_head), **rules)
         log_dist(report.summary())
-        return cls(group, report, model, old_names)
+        part = cls(group, report, model, old_names)
+        # DeepSpeed keeps the layout on the model (`model.universal_checkpoint_info`) and in its checkpoints
+        part.universal_info = universal_checkpoint_info(model)
+        model.universal_checkpoint_info = part.universal_info
+        return part
 
     def remap(self, model_parameters):
         """`initialize(model_parameters=...)` (tensors or param-group dicts) with sharded parameters."""
