@@ -32,9 +32,9 @@ __all__ = [
     "mp_rank",
     "mp_world_size",
     "open_reader",
-    "whole_model_states",
     "saved_partitions",
     "translate_shapes",
+    "whole_model_states",
 ]
 
 
