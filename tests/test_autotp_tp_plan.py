@@ -144,7 +144,7 @@ def test_config_block_refuses_misplaced_rule_flags():
 
 def plan_job():
     import shardspeed
-    from shardspeed.module_inject.layers import LinearLayer
+    from shardspeed.module_inject.layers import LinearAllreduce, LinearLayer
     from shardspeed.module_inject.tp_state import tp_full_state_dict
 
     shardspeed.init_distributed()
@@ -190,7 +190,20 @@ def plan_job():
         "tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True},
     }
     shardspeed.initialize(model=vocab, config=vocab_config)
+    torch.manual_seed(1)  # DeepSpeed's form: a layer built from a whole module shards it for this rank
+    whole = nn.Linear(4, 8)
+    rank = torch.distributed.get_rank(engine.tensor_parallel.group)
+    column = LinearLayer(whole, engine.tensor_parallel.group, name="c")
+    whole_row = nn.Linear(8, 4)
+    row = LinearAllreduce(whole_row, mp_group=engine.tensor_parallel.group)
+    x = torch.randn(3, 4)
     return dict(
+        deepspeed_form=(
+            torch.equal(column.weight, whole.weight[rank * 4 : (rank + 1) * 4]),
+            (column.tp_index, column.tp_world_size, column.name, tuple(row.weight.shape)),
+            (row(column(x)) - whole_row(whole(x))).abs().max().item(),  # column -> row equals the whole pair
+        ),
+        rank=rank,
         loss=max(abs(a - b) for a, b in zip(losses, ref_losses)),
         weight=max((full[k] - ref_state[k]).abs().max().item() for k in ref_state),
         head=(
@@ -218,4 +231,31 @@ def test_tp_plan_places_and_trains_equal_to_one_process():
         assert gathered == ["lm_head"]
         assert summed == ["encoder.0.norm.weight", "encoder.1.norm.weight"]
         assert out["tied"] == (True, True)
+        same, attrs, pair = out["deepspeed_form"]
+        assert same and attrs[:3] == (out["rank"], 2, "c") and attrs[3] == (4, 4) and pair < 1e-6
         assert out["vocab"] == ("VocabParallelLMHead", "VocabParallelEmbedding", (16, 16))
+
+
+def test_universal_checkpoint_info_and_deepspeed_layer_form_on_one_rank():
+    from shardspeed.module_inject.layers import LinearAllreduce, LinearLayer
+    from shardspeed.module_inject.tp_state import is_model_parallel_parameter, universal_checkpoint_info
+
+    model = nn.Module()
+    model.proj = LinearAllreduce(nn.Linear(16, 8), mp_group=None, name="proj")
+    model.lm_head = LinearLayer(nn.Linear(16, 40), None, gather_output=True)
+    model.norm = nn.LayerNorm(16)
+    model.alias = nn.Linear(16, 40)
+    model.alias.weight = model.lm_head.weight  # a tied alias: described under its first name only
+    info = universal_checkpoint_info(model)
+    assert info["parameter_with_row_parallelism_patterns"] == [r"^proj\.weight$"]
+    assert info["tp_replicated_parameter_patterns"] == [r"^alias\.bias$", r"^norm\.bias$", r"^norm\.weight$",
+                                                         r"^proj\.bias$"]  # fmt: skip
+    assert (
+        info["vocabulary_parameter_patterns"] == [r"^lm_head\.weight$"] and info["original_vocab_size"] == 40
+    )
+    assert info["autotp_unsupported_parameter_patterns"] == {} and model.lm_head.gather_output
+    assert is_model_parallel_parameter(model.proj.weight) and not is_model_parallel_parameter(model.proj.bias)
+    with pytest.raises(TypeError, match="gather_output"):
+        LinearAllreduce(nn.Linear(2, 2), None, gather_output=True)  # row layers have no gathered output
+    with pytest.raises(ValueError, match="skip_partition"):
+        LinearLayer(nn.Linear(2, 2), None, skip_partition=True)

@@ -70,6 +70,15 @@ PATHS: dict[str, object] = {
     "module_inject.auto_tp.PartitionType": "shardspeed.module_inject.autotp_config:PartitionType",
     "module_inject.auto_tp.TPLayerSpec": "shardspeed.module_inject.autotp_config:TPLayerSpec",
     "runtime.tensor_parallel.config._get_hf_tp_plan": "shardspeed.module_inject.tp_plan:hf_tp_plan",
+    "module_inject.layers.collect_autotp_universal_checkpoint_info": (
+        "shardspeed.module_inject.tp_state:universal_checkpoint_info"
+    ),
+    "runtime.utils.is_model_parallel_parameter": "shardspeed.module_inject.tp_state:is_model_parallel_parameter",
+    "checkpoint.universal_checkpoint": NotOffered(
+        "DeepSpeed's per-parameter universal-checkpoint loading internals; load_universal reads a universal "
+        "folder by name at any world size, ZeRO stage and tensor degree (shardspeed/checkpoint/universal_folder.py)",
+        True,
+    ),
     "OnDevice": "shardspeed.utils.init_on_device:OnDevice",
     "get_accelerator": "shardspeed.accelerator:get_accelerator",
     "logger": "shardspeed.utils.logging:logger",

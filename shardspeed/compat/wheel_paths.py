@@ -196,7 +196,7 @@ _NAMES_NOT_OFFERED = {
     "module_inject.auto_tp": ("AutoTP", _AUTOTP_INTERNAL),
     "module_inject.layers": (
         "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce SubParamLinearLayer "
-        "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer collect_autotp_universal_checkpoint_info "
+        "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer "
         "is_autotp_training_mode set_autotp_mode _build_param_uc_restore_meta _get_param_uc_conversion_meta "
         "_subparam_shard_widths",
         _AUTOTP_INTERNAL,
@@ -209,8 +209,7 @@ _NAMES_NOT_OFFERED = {
     "runtime.zero.parameter_offload": ("ZeROOrderedDict ensure_zero_ordered_dict", INTERNAL),
     "runtime.zero.offload_states": ("get_state_devices _make_offload_state_key", INTERNAL),
     "runtime.utils": (
-        "is_model_parallel_parameter register_output_backward_hooks count_used_parameters_in_backward "
-        "CheckOverflow get_weight_norm",
+        "register_output_backward_hooks count_used_parameters_in_backward CheckOverflow get_weight_norm",
         INTERNAL,
     ),
     "sequence.layer": ("_SeqAllToAll", INTERNAL),

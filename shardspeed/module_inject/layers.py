@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -81,17 +82,47 @@ def _sharded_parameter(full: torch.Tensor, part: TPPartition, rank: int, require
 
 
 class _TPLinear(nn.Module):
-    """Shared state of the two parallel linears: the group, the orientation, local sizes."""
+    """Shared state of the two parallel linears: the group, the orientation, local sizes.
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, transposed: bool):
+    Built by AutoTP (`from_module`, or the shards directly: `Layer(weight, bias, group, transposed)`), or in
+    DeepSpeed's form `Layer(module, mp_group=None, name=None)`, which shards the whole `module` (an
+    `nn.Linear` or a Hugging Face `Conv1D`) for this rank of `mp_group` (None: one rank, nothing split).
+    """
+
+    def __init__(self, weight, bias=None, group=None, transposed: bool = False, **deepspeed_options):
+        name, gather = None, False
+        if isinstance(weight, nn.Module):  # DeepSpeed's form: the second positional argument is mp_group
+            module, group = weight, deepspeed_options.pop("mp_group", bias)
+            name = deepspeed_options.pop("name", None)
+            if isinstance(self, LinearLayer):
+                gather = bool(deepspeed_options.pop("gather_output", False))
+            if deepspeed_options.pop("skip_partition", False):
+                raise ValueError(
+                    f"{type(self).__name__}(skip_partition=True): a module whose weight is already this rank's "
+                    "shard is not supported; pass the whole module"
+                )
+            transposed = type(module).__name__ == "Conv1D"
+            rank = dist.get_rank(group) if group_size(group) > 1 else 0
+            weight, bias = self._shard_module(module, group, rank, transposed)
+        if deepspeed_options:
+            raise TypeError(f"{type(self).__name__}: unsupported argument(s) {sorted(deepspeed_options)}")
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.tp_group = group
         self.tp_world_size = group_size(group)
+        self.tp_index = dist.get_rank(group) if self.tp_world_size > 1 else 0  # DeepSpeed's name: this rank
+        self.name = name
+        if gather:
+            self.gather_output = True
         self.transposed = transposed  # Conv1D orientation: weight is [in, out]
         out_dim, in_dim = (1, 0) if transposed else (0, 1)
         self.in_features, self.out_features = weight.shape[in_dim], weight.shape[out_dim]
+
+    @property
+    def mp_group(self):
+        """DeepSpeed's name for the tensor group."""
+        return self.tp_group
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight if self.transposed else F.linear(x, self.weight)
@@ -106,20 +137,24 @@ class _TPLinear(nn.Module):
 class LinearLayer(_TPLinear):
     """Column-parallel linear: this rank's output features; the input's gradient is summed over the group."""
 
-    @classmethod
-    def from_module(cls, module: nn.Module, group, rank: int, segments=None, transposed: bool = False):
+    @staticmethod
+    def _shard_module(module: nn.Module, group, rank: int, transposed: bool, segments=None):
         weight = module.weight
         out_dim = 1 if transposed else 0
-        size = weight.shape[out_dim]
         tp = group_size(group)
-        part = TPPartition(out_dim, tuple(segments or (size,)), tp)
+        part = TPPartition(out_dim, tuple(segments or (weight.shape[out_dim],)), tp)
+        part.check(f"{type(module).__name__} (column-parallel output features)")
         w = _sharded_parameter(weight, part, rank, weight.requires_grad)
         b = None
         if getattr(module, "bias", None) is not None:
             b = _sharded_parameter(
                 module.bias, TPPartition(0, part.segments, tp), rank, module.bias.requires_grad
             )
-        return cls(w, b, group, transposed)
+        return w, b
+
+    @classmethod
+    def from_module(cls, module: nn.Module, group, rank: int, segments=None, transposed: bool = False):
+        return cls(*cls._shard_module(module, group, rank, transposed, segments), group, transposed)
 
     input_copy = None  # a SharedInputCopy shared with sibling column layers (set by AutoTP), or None
     gather_output = False  # True: the output is all-gathered, every rank gets all features (one fused part)
@@ -134,11 +169,12 @@ class LinearLayer(_TPLinear):
 class LinearAllreduce(_TPLinear):
     """Row-parallel linear: this rank's input features; outputs summed over the group, bias added once."""
 
-    @classmethod
-    def from_module(cls, module: nn.Module, group, rank: int, transposed: bool = False):
+    @staticmethod
+    def _shard_module(module: nn.Module, group, rank: int, transposed: bool):
         weight = module.weight
         in_dim = 0 if transposed else 1
         part = TPPartition(in_dim, (weight.shape[in_dim],), group_size(group))
+        part.check(f"{type(module).__name__} (row-parallel input features)")
         w = _sharded_parameter(weight, part, rank, weight.requires_grad)
         bias = getattr(module, "bias", None)
         b = (
@@ -146,7 +182,11 @@ class LinearAllreduce(_TPLinear):
             if bias is not None
             else None
         )
-        return cls(w, b, group, transposed)
+        return w, b
+
+    @classmethod
+    def from_module(cls, module: nn.Module, group, rank: int, transposed: bool = False):
+        return cls(*cls._shard_module(module, group, rank, transposed), group, transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = reduce_from_tensor_parallel(self._matmul(x), self.tp_group)
