@@ -1,7 +1,8 @@
 """Universal checkpoints of AutoTP runs: a tp 2 run (ZeRO 1, fp32) is saved, converted with ds_to_universal
 (no --inject_missing_state: the engine writes the AutoTP layout's `universal_checkpoint_info`), and loaded
 with `checkpoint.load_universal` at tp 1 (2 data-parallel ranks) and at tp 2; both continue equal (1e-6) to
-the run that never stopped. The info names the row-parallel, replicated and fused (sub-parameter) entries."""
+the run that never stopped. The info names the row-parallel, replicated and fused (sub-parameter) entries;
+a checkpoint whose info lists layouts that cannot be merged is refused before anything is written."""
 
 from harness import run_ranks
 
@@ -73,3 +74,15 @@ def test_autotp_universal_checkpoint_loads_at_tp1_and_tp2(tmp_path):
         assert r"^h\.0\.attn\.c_attn\.weight$" not in info[c.TP_REPLICATED_PARAMETER_PATTERNS]
         fused = {tuple(e["patterns"]): e for e in info[c.PARAMETER_WITH_SUB_PARAMS]}
         assert fused[(r"^h\.0\.attn\.c_attn\.weight$",)]["partition_dim"] == 1  # Conv1D: [in, 3*hidden]
+
+
+def test_conversion_refuses_layouts_listed_as_unsupported(tmp_path):
+    import pytest
+
+    from shardspeed.checkpoint.to_universal import validate_autotp_conversion_support, write_universal
+
+    validate_autotp_conversion_support({})  # older info without the key: nothing to refuse
+    info = {"autotp_unsupported_parameter_patterns": {r"^qkv\.weight$": "interleaved fused heads"}}
+    with pytest.raises(ValueError, match="interleaved fused heads"):
+        write_universal(None, {"universal_checkpoint_info": info}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

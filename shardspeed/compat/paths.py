@@ -74,6 +74,9 @@ PATHS: dict[str, object] = {
         "shardspeed.module_inject.tp_state:universal_checkpoint_info"
     ),
     "runtime.utils.is_model_parallel_parameter": "shardspeed.module_inject.tp_state:is_model_parallel_parameter",
+    "checkpoint.ds_to_universal._validate_autotp_conversion_support": (
+        "shardspeed.checkpoint.to_universal:validate_autotp_conversion_support"
+    ),
     "checkpoint.universal_checkpoint": NotOffered(
         "DeepSpeed's per-parameter universal-checkpoint loading internals; load_universal reads a universal "
         "folder by name at any world size, ZeRO stage and tensor degree (shardspeed/checkpoint/universal_folder.py)",
