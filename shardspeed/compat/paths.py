@@ -77,6 +77,14 @@ PATHS: dict[str, object] = {
     "checkpoint.ds_to_universal._validate_autotp_conversion_support": (
         "shardspeed.checkpoint.to_universal:validate_autotp_conversion_support"
     ),
+    "checkpoint.ds_to_universal._group_per_tp_shapes": NotOffered(
+        "an internal of DeepSpeed's converter (per-rank fragment files); shardspeed's ds_to_universal merges each "
+        "parameter by name in memory"
+    ),
+    "checkpoint.ds_to_universal.merge_tp_slices": NotOffered(
+        "an internal of DeepSpeed's converter (per-rank fragment files); shardspeed's ds_to_universal merges each "
+        "parameter by name in memory"
+    ),
     "checkpoint.universal_checkpoint": NotOffered(
         "DeepSpeed's per-parameter universal-checkpoint loading internals; load_universal reads a universal "
         "folder by name at any world size, ZeRO stage and tensor degree (shardspeed/checkpoint/universal_folder.py)",
