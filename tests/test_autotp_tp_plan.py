@@ -197,7 +197,46 @@ def plan_job():
     whole_row = nn.Linear(8, 4)
     row = LinearAllreduce(whole_row, mp_group=engine.tensor_parallel.group)
     x = torch.randn(3, 4)
+
+    # DeepSpeed's AutoTP object, rule-driven: q column, o row, f column fused as [a (2 rows); b (6 rows)]
+    from shardspeed.module_inject.autotp_config import AutoTPConfig
+    from shardspeed.module_inject.autotp_replacer import AutoTP
+
+    names = {"q": (4, 8), "o": (8, 4), "keep": (4, 4), "f": (4, 8)}
+    block = nn.ModuleDict({name: nn.Linear(*shape) for name, shape in names.items()})
+    whole_block = {k: (v.weight.detach().clone(), v.bias.detach().clone()) for k, v in block.items()}
+    rules = AutoTPConfig.from_dict(
+        {
+            "layer_specs": [
+                {"patterns": [r".*q\.weight$"], "partition_type": "column"},
+                {"patterns": [r".*f\.weight$"], "partition_type": "column", "shape": [[2, 6], -1]},
+                {"patterns": [r".*o\.weight$"], "partition_type": "row"},
+            ]
+        }
+    )
+    autotp = AutoTP(block, (), "", None, None, None, partition_config=rules)
+    autotp.set_tensor_parallel_config(2, engine.tensor_parallel.group)
+    autotp._replace_module(block)
+
+    def whole_linear(y, name):
+        weight, bias = whole_block[name]
+        return torch.nn.functional.linear(y, weight, bias)
+
+    sharded = block["keep"](block["o"](block["q"](x)))
+    reference = whole_linear(whole_linear(whole_linear(x, "q"), "o"), "keep")
+    fused = whole_block["f"][0]
     return dict(
+        autotp=(
+            type(block["q"]).__name__,
+            type(block["o"]).__name__,
+            type(block["keep"]).__name__,
+            tuple(block["q"].weight.shape),
+            (sharded - reference).abs().max().item(),
+            # this rank holds its row of a and its 3 rows of b
+            torch.equal(
+                block["f"].weight, torch.cat([fused[rank : rank + 1], fused[2 + 3 * rank : 5 + 3 * rank]])
+            ),
+        ),
         deepspeed_form=(
             torch.equal(column.weight, whole.weight[rank * 4 : (rank + 1) * 4]),
             (column.tp_index, column.tp_world_size, column.name, tuple(row.weight.shape)),
@@ -233,6 +272,8 @@ def test_tp_plan_places_and_trains_equal_to_one_process():
         assert out["tied"] == (True, True)
         same, attrs, pair = out["deepspeed_form"]
         assert same and attrs[:3] == (out["rank"], 2, "c") and attrs[3] == (4, 4) and pair < 1e-6
+        assert out["autotp"][:4] == ("LinearLayer", "LinearAllreduce", "Linear", (4, 4)), out["autotp"]
+        assert out["autotp"][4] < 1e-6 and out["autotp"][5], out["autotp"]
         assert out["vocab"] == ("VocabParallelLMHead", "VocabParallelEmbedding", (16, 16))
 
 
@@ -259,3 +300,14 @@ def test_universal_checkpoint_info_and_deepspeed_layer_form_on_one_rank():
         LinearAllreduce(nn.Linear(2, 2), None, gather_output=True)  # row layers have no gathered output
     with pytest.raises(ValueError, match="skip_partition"):
         LinearLayer(nn.Linear(2, 2), None, skip_partition=True)
+
+
+def test_autotp_object_refuses_what_it_does_not_do():
+    from shardspeed.module_inject.autotp_replacer import AutoTP
+
+    with pytest.raises(NotImplementedError, match="partition_config=None"):
+        AutoTP(nn.Linear(2, 2), (), "", None, None, None)
+    with pytest.raises(NotImplementedError, match="tp_grain_size"):
+        AutoTP(
+            nn.Linear(2, 2), (), "", None, None, None, partition_config={"layer_specs": []}, tp_grain_size=64
+        )

@@ -66,6 +66,7 @@ PATHS: dict[str, object] = {
         "it merges AutoTP presets, which are not offered; give one partition_config"
     ),
     "module_inject.tp_plan_converter": "shardspeed.module_inject.tp_plan",
+    "module_inject.auto_tp.AutoTP": "shardspeed.module_inject.autotp_replacer:AutoTP",
     "module_inject.auto_tp.AutoTPConfig": "shardspeed.module_inject.autotp_config:AutoTPConfig",
     "module_inject.auto_tp.PartitionType": "shardspeed.module_inject.autotp_config:PartitionType",
     "module_inject.auto_tp.TPLayerSpec": "shardspeed.module_inject.autotp_config:TPLayerSpec",

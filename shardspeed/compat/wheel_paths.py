@@ -193,7 +193,6 @@ _REAL_OR_REFUSED_NAMES = {
 }
 # Names DeepSpeed's own tests import from modules shardspeed does have, which it does not offer there
 _NAMES_NOT_OFFERED = {
-    "module_inject.auto_tp": ("AutoTP", _AUTOTP_INTERNAL),
     "module_inject.layers": (
         "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce SubParamLinearLayer "
         "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer "
