@@ -296,6 +296,17 @@ def test_universal_checkpoint_info_and_deepspeed_layer_form_on_one_rank():
     )
     assert info["autotp_unsupported_parameter_patterns"] == {} and model.lm_head.gather_output
     assert is_model_parallel_parameter(model.proj.weight) and not is_model_parallel_parameter(model.proj.bias)
+    from shardspeed.module_inject.layers import SubParamLinearLayer
+
+    packed = nn.Module()
+    packed.qkv = SubParamLinearLayer(nn.Linear(4, 12), None, shape=((6, 3, 3), -1), partition_dim=0)
+    entries = universal_checkpoint_info(packed)["parameter_with_sub_params"]
+    assert [(e["patterns"], e["shape"], e["partition_dim"]) for e in entries] == [
+        ([r"^qkv\.weight$"], [(6, 3, 3), 4], 0),
+        ([r"^qkv\.bias$"], [(6, 3, 3)], 0),
+    ]
+    with pytest.raises(ValueError, match="do not add up"):
+        SubParamLinearLayer(nn.Linear(4, 12), None, shape=((6, 3), -1))
     with pytest.raises(TypeError, match="gather_output"):
         LinearAllreduce(nn.Linear(2, 2), None, gather_output=True)  # row layers have no gathered output
     with pytest.raises(ValueError, match="skip_partition"):

@@ -194,7 +194,7 @@ _REAL_OR_REFUSED_NAMES = {
 # Names DeepSpeed's own tests import from modules shardspeed does have, which it does not offer there
 _NAMES_NOT_OFFERED = {
     "module_inject.layers": (
-        "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce SubParamLinearLayer "
+        "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce "
         "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer "
         "is_autotp_training_mode set_autotp_mode _build_param_uc_restore_meta _get_param_uc_conversion_meta "
         "_subparam_shard_widths",

@@ -32,7 +32,14 @@ from shardspeed.module_inject.tp_comm import (
     reduce_from_tensor_parallel,
 )
 
-__all__ = ["LinearAllreduce", "LinearLayer", "TPPartition", "gather_shards", "shard_tensor"]
+__all__ = [
+    "LinearAllreduce",
+    "LinearLayer",
+    "SubParamLinearLayer",
+    "TPPartition",
+    "gather_shards",
+    "shard_tensor",
+]
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,25 @@ def _sharded_parameter(full: torch.Tensor, part: TPPartition, rank: int, require
     return param
 
 
+def _segments_from_shape(module: nn.Module, options: dict):
+    """DeepSpeed's sub-parameter `shape` (`(parts, -1)` or `((q, k, v), -1)`) split along `partition_dim` 0 of
+    a column layer's weight, as the fused parts' sizes (None without a shape). Taken out of `options`."""
+    shape, dim = options.pop("shape", None), options.pop("partition_dim", 0)
+    if shape is None:
+        return None
+    if dim not in (0, None):
+        raise ValueError(f"partition_dim={dim!r}: a column layer's sub-parameters are split along dim 0")
+    parts = tuple(shape[0]) if isinstance(shape[0], (list, tuple)) else shape[0]
+    size = module.weight.shape[1 if type(module).__name__ == "Conv1D" else 0]
+    if isinstance(parts, int):
+        if parts < 1 or size % parts:
+            raise ValueError(f"shape={shape!r}: {size} output features do not split into {parts} equal parts")
+        return (size // parts,) * parts
+    if sum(parts) != size:
+        raise ValueError(f"shape={shape!r}: the parts do not add up to the {size} output features")
+    return parts
+
+
 class _TPLinear(nn.Module):
     """Shared state of the two parallel linears: the group, the orientation, local sizes.
 
@@ -94,8 +120,10 @@ class _TPLinear(nn.Module):
         if isinstance(weight, nn.Module):  # DeepSpeed's form: the second positional argument is mp_group
             module, group = weight, deepspeed_options.pop("mp_group", bias)
             name = deepspeed_options.pop("name", None)
+            segments = None
             if isinstance(self, LinearLayer):
                 gather = bool(deepspeed_options.pop("gather_output", False))
+                segments = _segments_from_shape(module, deepspeed_options)
             if deepspeed_options.pop("skip_partition", False):
                 raise ValueError(
                     f"{type(self).__name__}(skip_partition=True): a module whose weight is already this rank's "
@@ -103,7 +131,8 @@ class _TPLinear(nn.Module):
                 )
             transposed = type(module).__name__ == "Conv1D"
             rank = dist.get_rank(group) if group_size(group) > 1 else 0
-            weight, bias = self._shard_module(module, group, rank, transposed)
+            shard_args = (segments,) if segments is not None else ()
+            weight, bias = self._shard_module(module, group, rank, transposed, *shard_args)
         if deepspeed_options:
             raise TypeError(f"{type(self).__name__}: unsupported argument(s) {sorted(deepspeed_options)}")
         super().__init__()
@@ -164,6 +193,11 @@ class LinearLayer(_TPLinear):
         out = self._matmul(copy(x, self.tp_group))
         out = out + self.bias if self.bias is not None else out
         return gather_from_tensor_parallel(out, self.tp_group) if self.gather_output else out
+
+
+class SubParamLinearLayer(LinearLayer):
+    """DeepSpeed's name for a column layer whose fused sub-parameters (`shape`) are split separately:
+    `SubParamLinearLayer(module, mp_group, shape=(3, -1), partition_dim=0)` is a `LinearLayer` with segments."""
 
 
 class LinearAllreduce(_TPLinear):
