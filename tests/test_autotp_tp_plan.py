@@ -278,8 +278,9 @@ def test_tp_plan_places_and_trains_equal_to_one_process():
 
 
 def test_universal_checkpoint_info_and_deepspeed_layer_form_on_one_rank():
+    from shardspeed.compat.mirrors.runtime_utils import is_model_parallel_parameter
     from shardspeed.module_inject.layers import LinearAllreduce, LinearLayer
-    from shardspeed.module_inject.tp_state import is_model_parallel_parameter, universal_checkpoint_info
+    from shardspeed.module_inject.tp_state import universal_checkpoint_info
 
     model = nn.Module()
     model.proj = LinearAllreduce(nn.Linear(16, 8), mp_group=None, name="proj")

@@ -30,6 +30,12 @@ _DATA_ANALYZER = (
     "per sample and write the curriculum's index files with shardspeed.data_pipeline.write_metric_index"
 )
 
+_ROLLOUT_BACKEND = (
+    "DeepSpeed's continuous-batching decode loop is not built; HybridEngineRollout generates with the engine's "
+    "own generate, one batch per request"
+)
+_ROLLOUT_OPSD = "the on-policy distillation losses (generalized JSD over response tokens) are not built"
+
 PATHS: dict[str, object] = {
     # -- top-level names (`deepspeed.X`) -----------------------------------------------------------------
     "initialize": "shardspeed.api:initialize",
@@ -74,7 +80,6 @@ PATHS: dict[str, object] = {
     "module_inject.layers.collect_autotp_universal_checkpoint_info": (
         "shardspeed.module_inject.tp_state:universal_checkpoint_info"
     ),
-    "runtime.utils.is_model_parallel_parameter": "shardspeed.module_inject.tp_state:is_model_parallel_parameter",
     "checkpoint.ds_to_universal._validate_autotp_conversion_support": (
         "shardspeed.checkpoint.to_universal:validate_autotp_conversion_support"
     ),
@@ -127,7 +132,11 @@ PATHS: dict[str, object] = {
         "search's own helpers are shardspeed.autotuning.dicts (all_combinations, get_val_by_key, ...)",
         True,
     ),
-    "elasticity": NotOffered("elastic training (the `elasticity` block) is not built", True),
+    "elasticity": NotOffered(
+        "elastic training was removed in DeepSpeed 0.19 (its wheel has no deepspeed.elasticity, and both refuse "
+        "the `elasticity` block); set the batch sizes directly",
+        True,
+    ),
     "compile": NotOffered(
         "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module", True
     ),
@@ -303,9 +312,15 @@ PATHS: dict[str, object] = {
     ),
     "runtime.config.DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
     "runtime.config.ZeroStageEnum": "shardspeed.compat.mirrors.deepspeed_types:ZeroStageEnum",
-    "runtime.config_utils.DeepSpeedConfigModel": NotOffered(
-        "DeepSpeed's pydantic config base class; shardspeed has one config system of dataclasses (shardspeed.config)"
-    ),
+    # DeepSpeed's pydantic config classes (pydantic imported only when one of them is): DeepSpeedConfigModel is
+    # a base for other people's configs; the fp16/bf16 classes are views of shardspeed's own blocks
+    "runtime.config_utils": "shardspeed.compat.mirrors.config_utils",
+    "runtime.config_utils.DeepSpeedConfigModel": "shardspeed.compat.mirrors.config_model:DeepSpeedConfigModel",
+    "runtime.zero.config.DeepSpeedConfigModel": "shardspeed.compat.mirrors.config_model:DeepSpeedConfigModel",
+    "runtime.zero.config.pp_int": "shardspeed.compat.mirrors.config_utils:pp_int",
+    "runtime.zero.config.get_scalar_param": "shardspeed.compat.mirrors.config_utils:get_scalar_param",
+    "runtime.precision_config.DeepSpeedFP16Config": "shardspeed.compat.mirrors.precision_config:DeepSpeedFP16Config",
+    "runtime.precision_config.DeepSpeedBF16Config": "shardspeed.compat.mirrors.precision_config:DeepSpeedBF16Config",
     "runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine": NotOffered(
         "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only checkpoint files itself"
     ),
@@ -313,6 +328,17 @@ PATHS: dict[str, object] = {
     "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.core.optimizer_wrapper:OptimizerWrapper",
     "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
     "runtime.hybrid_engine.DeepSpeedHybridEngine": "shardspeed.runtime.hybrid_engine:HybridEngine",
+    # -- deepspeed.runtime.rollout: the interface RL trainers generate through, and its hybrid-engine backend -----
+    "runtime.rollout": "shardspeed.compat.mirrors.rollout",
+    "runtime.rollout.base": "shardspeed.compat.mirrors.rollout",
+    "runtime.rollout.HybridEngineRollout": "shardspeed.compat.mirrors.rollout_hybrid_engine:HybridEngineRollout",
+    "runtime.rollout.build_rollout": "shardspeed.compat.mirrors.rollout_hybrid_engine:build_rollout",
+    "runtime.rollout.hybrid_engine_rollout": "shardspeed.compat.mirrors.rollout_hybrid_engine",
+    "runtime.rollout.continuous_batching": NotOffered(_ROLLOUT_BACKEND, True),
+    "runtime.rollout.JSDLossOutput": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.ResponseTokenBatch": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.generalized_jsd_loss": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.opsd": NotOffered(_ROLLOUT_OPSD, True),
     # -- deepspeed.runtime.data_pipeline: curriculum learning and random-LTD (shardspeed/data_pipeline) ---------
     "runtime.data_pipeline": "shardspeed.data_pipeline",
     "runtime.data_pipeline.constants": "shardspeed.compat.mirrors.data_pipeline_constants",

@@ -139,7 +139,6 @@ _STAND_IN_MODULES = {
     "runtime.chunked_cross_entropy": NOT_BUILT,
     "runtime.domino": "Domino (tensor-parallel communication overlap) is not built",
     "runtime.hybrid_engine_graph": "the CUDA-graph variant of the hybrid engine is not built; runtime.hybrid_engine is",
-    "runtime.rollout": "the hybrid engine's rollout API (RLHF generation) is not built",
     "runtime.fp16.loss_scaler": "DeepSpeed's loss-scaler classes are internal to its optimizers; the engine's "
     "optimizer scales the loss (engine.optimizer.cur_scale, the fp16 block configures it)",
     "runtime.sparse_tensor": "sparse embedding gradients (sparse_gradients) are not built",
@@ -207,16 +206,8 @@ _NAMES_NOT_OFFERED = {
     ),
     "runtime.zero.parameter_offload": ("ZeROOrderedDict ensure_zero_ordered_dict", INTERNAL),
     "runtime.zero.offload_states": ("get_state_devices _make_offload_state_key", INTERNAL),
-    "runtime.utils": (
-        "register_output_backward_hooks count_used_parameters_in_backward CheckOverflow get_weight_norm",
-        INTERNAL,
-    ),
+    "runtime.utils": ("register_output_backward_hooks", INTERNAL),
     "sequence.layer": ("_SeqAllToAll", INTERNAL),
-    "runtime.precision_config": (
-        "DeepSpeedFP16Config DeepSpeedBF16Config",
-        "DeepSpeed's pydantic config classes; shardspeed checks the fp16/bf16 blocks in its one config system "
-        "(runtime.precision_config.get_float16_config / get_bfloat16_config return them)",
-    ),
     "inference.config": ("DeepSpeedMoEConfig", "MoE inference kernels are not built"),
 }
 

@@ -25,7 +25,6 @@ from shardspeed.module_inject.vocab_parallel import VocabParallelEmbedding, Voca
 
 __all__ = [
     "gather_full",
-    "is_model_parallel_parameter",
     "partitions_of",
     "reshard_state_dict",
     "tp_full_state_dict",
@@ -54,14 +53,6 @@ def partitions_of(module: nn.Module) -> dict[str, TPPartition]:
         for name, p in module.named_parameters(remove_duplicate=False)
         if getattr(p, "tp_partition", None) is not None
     }
-
-
-def is_model_parallel_parameter(param) -> bool:
-    """Whether `param` is split over the tensor group: an AutoTP shard (it carries its `TPPartition`), or a
-    Megatron-style layer's parameter marked `model_parallel` / `tensor_model_parallel` (DeepSpeed's test)."""
-    if getattr(param, "tp_partition", None) is not None:
-        return True
-    return bool(getattr(param, "model_parallel", False) or getattr(param, "tensor_model_parallel", False))
 
 
 def gather_full(tensor: torch.Tensor, part: TPPartition, group) -> torch.Tensor:
