@@ -86,3 +86,22 @@ def test_conversion_refuses_layouts_listed_as_unsupported(tmp_path):
     with pytest.raises(ValueError, match="interleaved fused heads"):
         write_universal(None, {"universal_checkpoint_info": info}, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_tensor_parallel_files_without_recorded_partitions_are_refused():
+    import pytest
+
+    from shardspeed.checkpoint.files import CheckpointError
+    from shardspeed.checkpoint.tensor_parallel import whole_model_states
+
+    deepspeed_autotp = {
+        "mp_world_size": 2,
+        "param_shapes": [{"w": (4, 2)}],
+    }  # DeepSpeed's layout, no partitions
+    with pytest.raises(CheckpointError, match="tp_partitions"):
+        whole_model_states(deepspeed_autotp)
+    ours = {"mp_world_size": 2, "mp_rank": 1, "param_shapes": {"w": (4, 2), "b": (4,)},
+            "tp_partitions": {"w": {"dim": 1, "segments": [4], "tp_size": 2}}}  # fmt: skip
+    whole = whole_model_states(ours)
+    assert whole["param_shapes"] == {"w": (4, 4), "b": (4,)} and whole["mp_world_size"] == 1
+    assert "tp_partitions" not in whole and "mp_rank" not in whole

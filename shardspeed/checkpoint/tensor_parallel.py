@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.named_values import NamedParameters
 from shardspeed.checkpoint.parts import Part, SaveOptions
 from shardspeed.checkpoint.readers import open_checkpoint
@@ -50,6 +51,11 @@ def whole_model_states(state: dict) -> dict:
     """A tensor-parallel model-states file as one describing the whole parameters (what ds_to_universal writes
     beside the merged values): full shapes, one model-parallel file, no partitions. The AutoTP layout stays in
     `universal_checkpoint_info` for DeepSpeed's loader."""
+    if not isinstance(state.get("param_shapes"), dict) or "tp_partitions" not in state:
+        raise CheckpointError(
+            f"ds_to_universal: a tensor-parallel checkpoint (mp_world_size {state.get('mp_world_size')}) without "
+            "shardspeed's recorded tp_partitions (DeepSpeed's own AutoTP files) cannot be merged into whole values"
+        )
     saved = saved_partitions(state)
     whole = {k: v for k, v in state.items() if k not in ("tp_partitions", "mp_rank")}
     whole["param_shapes"] = {
