@@ -63,6 +63,39 @@ PATHS: dict[str, object] = {
     "DeepSpeedInferenceConfig": "shardspeed.config.inference:InferenceConfig",
     "InferenceEngine": "shardspeed.inference.engine:InferenceEngine",
     "tp_model_init": "shardspeed.runtime.tensor_parallel:tp_model_init",
+    # -- AutoTP's layer rules and Hugging Face tp_plans (shardspeed/module_inject) ------------------------------
+    "module_inject.autotp_config.AutoTPPresets": NotOffered(
+        "AutoTP presets are not offered (tensor_parallel.preset_model is refused); AutoTP's built-in names and "
+        "a model's Hugging Face tp_plan place the same layers"
+    ),
+    "module_inject.autotp_config.merge_autotp_configs": NotOffered(
+        "it merges AutoTP presets, which are not offered; give one partition_config"
+    ),
+    "module_inject.tp_plan_converter": "shardspeed.module_inject.tp_plan",
+    "module_inject.auto_tp.AutoTP": "shardspeed.module_inject.autotp_replacer:AutoTP",
+    "module_inject.auto_tp.AutoTPConfig": "shardspeed.module_inject.autotp_config:AutoTPConfig",
+    "module_inject.auto_tp.PartitionType": "shardspeed.module_inject.autotp_config:PartitionType",
+    "module_inject.auto_tp.TPLayerSpec": "shardspeed.module_inject.autotp_config:TPLayerSpec",
+    "runtime.tensor_parallel.config._get_hf_tp_plan": "shardspeed.module_inject.tp_plan:hf_tp_plan",
+    "module_inject.layers.collect_autotp_universal_checkpoint_info": (
+        "shardspeed.module_inject.tp_state:universal_checkpoint_info"
+    ),
+    "checkpoint.ds_to_universal._validate_autotp_conversion_support": (
+        "shardspeed.checkpoint.to_universal:validate_autotp_conversion_support"
+    ),
+    "checkpoint.ds_to_universal._group_per_tp_shapes": NotOffered(
+        "an internal of DeepSpeed's converter (per-rank fragment files); shardspeed's ds_to_universal merges each "
+        "parameter by name in memory"
+    ),
+    "checkpoint.ds_to_universal.merge_tp_slices": NotOffered(
+        "an internal of DeepSpeed's converter (per-rank fragment files); shardspeed's ds_to_universal merges each "
+        "parameter by name in memory"
+    ),
+    "checkpoint.universal_checkpoint": NotOffered(
+        "DeepSpeed's per-parameter universal-checkpoint loading internals; load_universal reads a universal "
+        "folder by name at any world size, ZeRO stage and tensor degree (shardspeed/checkpoint/universal_folder.py)",
+        True,
+    ),
     "OnDevice": "shardspeed.utils.init_on_device:OnDevice",
     "get_accelerator": "shardspeed.accelerator:get_accelerator",
     "logger": "shardspeed.utils.logging:logger",

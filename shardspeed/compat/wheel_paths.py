@@ -108,9 +108,7 @@ _STAND_IN_MODULES = {
     "module_inject.replace_policy": _INJECTION,
     "module_inject.utils": _INJECTION,
     "module_inject.auto_tp_model_utils": _AUTOTP_INTERNAL,
-    "module_inject.autotp_config": _AUTOTP_INTERNAL,
     "module_inject.fusedqkv_utils": _AUTOTP_INTERNAL,
-    "module_inject.tp_plan_converter": _AUTOTP_INTERNAL,
     "module_inject.tp_shard": _AUTOTP_INTERNAL,
     "runtime.tensor_parallel.config": _AUTOTP_INTERNAL,
     "runtime.tensor_parallel.init_utils": _AUTOTP_INTERNAL,
@@ -194,10 +192,9 @@ _REAL_OR_REFUSED_NAMES = {
 }
 # Names DeepSpeed's own tests import from modules shardspeed does have, which it does not offer there
 _NAMES_NOT_OFFERED = {
-    "module_inject.auto_tp": ("AutoTP AutoTPConfig PartitionType TPLayerSpec", _AUTOTP_INTERNAL),
     "module_inject.layers": (
-        "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce SubParamLinearLayer "
-        "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer collect_autotp_universal_checkpoint_info "
+        "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce "
+        "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer "
         "is_autotp_training_mode set_autotp_mode _build_param_uc_restore_meta _get_param_uc_conversion_meta "
         "_subparam_shard_widths",
         _AUTOTP_INTERNAL,

@@ -168,7 +168,10 @@ def call_to_str(base: str, *args, **kwargs) -> str:
 
 def is_model_parallel_parameter(p) -> bool:
     """Whether `p` is split over the tensor/model-parallel ranks (Megatron marks it `model_parallel` or
-    `tensor_model_parallel`); the other parameters are replicated there and counted once in norms."""
+    `tensor_model_parallel`; an AutoTP shard carries its `tp_partition`); the other parameters are replicated
+    there and counted once in norms."""
+    if getattr(p, "tp_partition", None) is not None:
+        return True
     return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
 
 
