@@ -39,7 +39,7 @@ def gpt2_config() -> GPT2Config:
     )  # fmt: skip
 
 
-def ds_config(stage: int, bf16: bool) -> dict:
+def ds_config(stage: int, bf16: bool, torch_adam: bool = False) -> dict:
     """A DeepSpeed config as HF's docs write it: "auto" wherever the Trainer knows the value."""
     zero = {"stage": stage}
     if stage == 3:
@@ -55,16 +55,20 @@ def ds_config(stage: int, bf16: bool) -> dict:
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "bf16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                                  **({"torch_adam": True} if torch_adam else {})}},
         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                           "warmup_num_steps": "auto", "total_num_steps": "auto"}},
         "zero_optimization": zero,
     }  # fmt: skip
 
 
+TORCH_ADAM = False  # --torch-adam: torch's AdamW under DeepSpeed too (no fused kernel to JIT-build on a CPU)
+
+
 def arguments(out_dir: str, stage: int, bf16: bool, max_steps: int) -> TrainingArguments:
     return TrainingArguments(
-        output_dir=out_dir, deepspeed=ds_config(stage, bf16), bf16=bf16, max_steps=max_steps,
+        output_dir=out_dir, deepspeed=ds_config(stage, bf16, TORCH_ADAM), bf16=bf16, max_steps=max_steps,
         per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=5e-3, warmup_steps=2,
         weight_decay=0.01, max_grad_norm=1.0, logging_steps=1, save_steps=4, save_strategy="steps",
         report_to=[], seed=1234, data_seed=1234, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
@@ -85,6 +89,13 @@ def new_trainer(out_dir: str, stage: int, bf16: bool, args_first: bool) -> Train
     model = AutoModelForCausalLM.from_config(gpt2_config())
     args = args or arguments(out_dir, stage, bf16, 8)
     return Trainer(model=model, args=args, train_dataset=Tokens())
+
+
+def resume_other(stage: int, work: str, bf16: bool, source: str) -> dict:
+    """Resume from the checkpoint-4 another run (another library) wrote under `source`, to step 8."""
+    resumed = new_trainer(os.path.join(work, f"stage{stage}"), stage, bf16, args_first=True)
+    resumed.train(resume_from_checkpoint=os.path.join(source, f"stage{stage}", "checkpoint-4"))
+    return {"resumed": losses(resumed)}
 
 
 def run_stage(stage: int, work: str, bf16: bool) -> dict:
@@ -136,8 +147,17 @@ def main() -> None:
     parser.add_argument("--work", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--torch-adam", action="store_true", help="optimizer.params.torch_adam: true")
+    parser.add_argument(
+        "--resume-from", help="only resume, from the checkpoints another run wrote in this --work"
+    )
     args = parser.parse_args()
-    results = {str(stage): run_stage(stage, args.work, args.bf16) for stage in args.stages}
+    global TORCH_ADAM
+    TORCH_ADAM = args.torch_adam
+    if args.resume_from:
+        results = {str(s): resume_other(s, args.work, args.bf16, args.resume_from) for s in args.stages}
+    else:
+        results = {str(stage): run_stage(stage, args.work, args.bf16) for stage in args.stages}
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=1)
