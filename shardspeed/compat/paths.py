@@ -279,6 +279,13 @@ PATHS: dict[str, object] = {
     "runtime.zero.register_external_parameter": "shardspeed.zero.api:register_external_parameter",
     "runtime.zero.unwrap_model_for_generation": "shardspeed.zero.api:unwrap_model_for_generation",
     "runtime.zero.config.DeepSpeedZeroConfig": "shardspeed.compat.mirrors.zero_config:DeepSpeedZeroConfig",
+    # ZenFlow (shardspeed.zero.zenflow, ops/zenflow_adam.py)
+    "runtime.zero.config.ZenFlowConfig": "shardspeed.config.zero:ZenFlowConfig",
+    "runtime.zenflow.zenflow_config.ZenFlowConfig": "shardspeed.config.zero:ZenFlowConfig",
+    "runtime.zenflow.zenflow_utils._split_affinity": "shardspeed.zero.zenflow.affinity:split_affinity",
+    "ops.adam.zenflow_torch_adam": "shardspeed.ops.zenflow_adam",
+    "ops.adam.ZenFlowSelectiveAdamW": "shardspeed.ops.zenflow_adam:ZenFlowSelectiveAdamW",
+    "ops.adam.ZenFlowSelectiveAdamW_stage3": "shardspeed.ops.zenflow_adam:ZenFlowSelectiveAdamW_stage3",
     "runtime.zero.config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",
     "runtime.zero.config.DeepSpeedZeroOffloadOptimizerConfig": "shardspeed.config.zero:OffloadOptimizerConfig",
     "runtime.zero.config.ZeroStageEnum": "shardspeed.compat.mirrors.deepspeed_types:ZeroStageEnum",
