@@ -281,3 +281,27 @@ def test_selective_adamw_updates_only_the_selected_columns():
         assert (weight.exp_avg_cpu_data is opt.state[weight]["exp_avg"]) if offload else True
         results.append(weight.detach().clone())
     assert torch.equal(results[0], results[1])  # where the moments live does not change the result
+
+
+def test_cpu_adam_steps_as_the_given_step_number():
+    from shardspeed.ops.adam import DeepSpeedCPUAdam
+    from shardspeed.ops.zenflow_adam import ZenFlowCPUAdam
+
+    torch.manual_seed(0)
+    start, grads = torch.randn(4, 3), [torch.randn(4, 3) for _ in range(2)]
+    mine, plain = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    zenflow, reference = ZenFlowCPUAdam([mine], lr=0.1), DeepSpeedCPUAdam([plain], lr=0.1)
+    mine.grad, plain.grad = grads[0].clone(), grads[0].clone()
+    zenflow.step(step_id=1)
+    reference.step()
+    assert torch.equal(mine.detach(), plain.detach())
+    # The next host step is training step 4 (three selective steps in between): bias correction uses t = 4.
+    mine.grad = grads[1].clone()
+    zenflow.step(step_id=4)
+    assert zenflow.state[mine]["step"].item() == 4
+    m = 0.9 * (0.1 * grads[0]) + 0.1 * grads[1]
+    v = 0.999 * (0.001 * grads[0] ** 2) + 0.001 * grads[1] ** 2
+    expected = plain.detach() - 0.1 * (m / (1 - 0.9**4)) / ((v / (1 - 0.999**4)).sqrt() + 1e-8)
+    assert (mine.detach() - expected).abs().max() <= 1e-6
+    with pytest.raises(ValueError, match="overlap_step=True"):
+        ZenFlowCPUAdam([mine], overlap_step=True)

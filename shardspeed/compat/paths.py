@@ -284,6 +284,8 @@ PATHS: dict[str, object] = {
     "runtime.zenflow.zenflow_config.ZenFlowConfig": "shardspeed.config.zero:ZenFlowConfig",
     "runtime.zenflow.zenflow_utils._split_affinity": "shardspeed.zero.zenflow.affinity:split_affinity",
     "ops.adam.zenflow_torch_adam": "shardspeed.ops.zenflow_adam",
+    "ops.adam.zenflow_cpu_adam": "shardspeed.ops.zenflow_adam",
+    "ops.adam.ZenFlowCPUAdam": "shardspeed.ops.zenflow_adam:ZenFlowCPUAdam",
     "ops.adam.ZenFlowSelectiveAdamW": "shardspeed.ops.zenflow_adam:ZenFlowSelectiveAdamW",
     "ops.adam.ZenFlowSelectiveAdamW_stage3": "shardspeed.ops.zenflow_adam:ZenFlowSelectiveAdamW_stage3",
     "runtime.zero.config.DeepSpeedZeroOffloadParamConfig": "shardspeed.config.zero:OffloadParamConfig",

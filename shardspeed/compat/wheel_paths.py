@@ -22,10 +22,6 @@ _ZENFLOW_INTERNAL = (
     "DeepSpeed's engine and optimizer glue for ZenFlow; shardspeed's ZenFlow is ZeRO's own optimizer "
     "(shardspeed.zero.zenflow), configured by zero_optimization.zenflow"
 )
-_ZENFLOW_CPU_ADAM = (
-    "ZenFlowCPUAdam drives DeepSpeed's compiled CPU Adam by step number; ZenFlow's host step here is the "
-    "offloaded ZeRO optimizer's own (deepspeed.ops.adam.DeepSpeedCPUAdam)"
-)
 _OPTIMIZER_MODULES = {  # DeepSpeed keeps each optimizer in a submodule; here each family is one module
     "ops.adam.cpu_adam": "shardspeed.ops.adam",
     "ops.adam.fused_adam": "shardspeed.ops.adam",
@@ -126,7 +122,6 @@ _STAND_IN_MODULES = {
     "the aio settings for the offload folder",
     "ops.adam.multi_tensor_apply": KERNELS,
     "ops.lion.multi_tensor_apply": KERNELS,
-    "ops.adam.zenflow_cpu_adam": _ZENFLOW_CPU_ADAM,
     "ops.compile": "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module",
     "ops.gds": KERNELS,
     "ops.pin_memory": "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()",
@@ -186,7 +181,6 @@ _STAND_IN_MODULES = {
 }
 # names that replace what a stand-in module would give
 _REAL_OR_REFUSED_NAMES = {
-    "ops.adam.ZenFlowCPUAdam": NotOffered(_ZENFLOW_CPU_ADAM),
     "runtime.zero.tiling.TiledLinearReturnBias": NotOffered(
         "TiledLinear is not built (ZeRO-3 gathers whole units)"
     ),

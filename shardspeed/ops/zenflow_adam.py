@@ -20,6 +20,10 @@ The update itself is torch's AdamW (`torch.optim.adam.adam` with decoupled weigh
 `param.exp_avg_sq_cpu_data`, as DeepSpeed names them) and brings them to the parameter's device for the update,
 `bucket_size` elements at a time. On a CPU-only run host and device are the same memory.
 
+`ZenFlowCPUAdam` is the host side: DeepSpeed's CPU Adam stepped by the caller's step number
+(`step(step_id)`: bias correction uses `step_id`, however many steps this optimizer has taken), because the
+host optimizer of ZenFlow steps only every `update_interval` steps but counts in training steps.
+
 `ZenFlowSelectiveAdamW_stage3` does the same on a ZeRO-3 partition (`param.ds_tensor`), which DeepSpeed
 stores transposed: `ds_shape` is (columns, rows), the parameter's columns are the partition's rows, and
 `complete_column_offset` / `complete_numel` locate the whole columns inside the partition. A partition
@@ -32,7 +36,9 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam as _functional_adam
 
-__all__ = ["ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3"]
+from shardspeed.ops.adam import DeepSpeedCPUAdam
+
+__all__ = ["ZenFlowCPUAdam", "ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3"]
 
 
 def _selected(param) -> bool:
@@ -249,3 +255,38 @@ class ZenFlowSelectiveAdamW_stage3(_SelectiveAdamBase):  # DeepSpeed's name
             by_group.setdefault(param.group_id, []).append(param)
         for group_index in sorted(by_group):
             self._update(group_index, by_group[group_index], restore=False)
+
+
+class ZenFlowCPUAdam(DeepSpeedCPUAdam):
+    """DeepSpeedCPUAdam whose `step(step_id)` takes the step number to use for bias correction.
+
+    `overlap_step=True` is DeepSpeed's overlapped variant, in which a separate optimizer process drives the
+    update; that variant is not built, so it is refused."""
+
+    def __init__(self, *args, overlap_step: bool = False, **kwargs):
+        if overlap_step:
+            raise ValueError(
+                "ZenFlowCPUAdam(overlap_step=True): ZenFlow's overlapped optimizer process is not built in "
+                "shardspeed; use overlap_step=False (the step runs in the caller)"
+            )
+        super().__init__(*args, **kwargs)
+        self.overlap_step = overlap_step
+        self.step = self._sequential_step
+
+    @torch.no_grad()
+    def _sequential_step(self, step_id: int, closure=None):
+        """One Adam step of every CPU parameter with a gradient, as step number `step_id` (1-based)."""
+        for group in self.param_groups:
+            for param in (p for p in group["params"] if p.grad is not None):
+                if param.device.type != "cpu":
+                    raise ValueError(
+                        f"ZenFlowCPUAdam: a parameter is on {param.device}; it steps CPU parameters only "
+                        "(zero_optimization.offload_optimizer.device 'cpu')"
+                    )
+                state = self.state[param]
+                if not state:
+                    dtype = torch.float32 if self.fp32_optimizer_states else param.dtype
+                    state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+                state["step"] = torch.tensor(float(step_id - 1), dtype=torch.float32)  # the step adds one
+        return DeepSpeedCPUAdam.step(self, closure)
