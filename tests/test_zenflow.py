@@ -163,6 +163,42 @@ def test_resume_mid_window_continues_exactly(tmp_path):
         assert differences == {(1, False): 0.0, (2, True): 0.0}
 
 
+def _bf16_masters(steps: int) -> dict:
+    from shardspeed.zero.zenflow.columns import shard_positions
+
+    config = _config(2, topk_ratio=0.25, select_strategy="step", select_interval=2, update_interval=2)
+    config["bf16"] = {"enabled": True}
+    engine = _engine(config)
+    _train_steps(engine, token_batches(steps, engine.train_batch_size()), range(steps))
+    zenflow = engine.optimizer
+    checks, positions, moved = [], 0, 0
+    for index, (bucket, master) in enumerate(zip(zenflow.buckets, zenflow.masters)):
+        where = shard_positions(zenflow.columns, index, bucket, zenflow.selection)
+        others = torch.ones(master.numel(), dtype=torch.bool)
+        others[where] = False
+        old = master.clone()
+        positions += where.numel()
+        moved += int((old[where] != bucket.shard[where].float()).sum())  # what the device changed since
+        zenflow._masters_take_device_columns()
+        checks.append(
+            {
+                "device_columns_taken": torch.equal(master[where], bucket.shard[where].float()),
+                "others_kept": torch.equal(master[others], old[others]),
+                "master_is_fp32": master.dtype == torch.float32 and bucket.shard.dtype == torch.bfloat16,
+            }
+        )
+    finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
+    return {"checks": checks, "positions": positions, "moved": moved, "finite": finite}
+
+
+def test_bf16_masters_take_only_the_device_columns_at_a_reselection():
+    for result in run_ranks(_bf16_masters, WORLD, 5):  # re-selections at steps 2 and 4
+        assert result["finite"]
+        assert result["positions"] > 0 and result["moved"] > 0  # there was something to take
+        for check in result["checks"]:
+            assert all(check.values()), check
+
+
 # -- the config block and the schedule (one process) --------------------------------------------------------
 
 
