@@ -230,6 +230,23 @@ def test_config_refusals_name_the_key(config, message):
         load_config({"train_batch_size": 8, **config})
 
 
+def _sgd_refused() -> str:
+    from shardspeed.config import ConfigError
+
+    config = _config(2)
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    config["zero_allow_untested_optimizer"] = True
+    try:
+        _engine(config)
+    except ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_non_adam_optimizer_is_refused():
+    assert "needs an Adam-family optimizer" in run_ranks(_sgd_refused, 1)[0]
+
+
 def test_schedule_intervals():
     from shardspeed.config import ConfigError, load_config
     from shardspeed.zero.zenflow import ZenFlowSchedule

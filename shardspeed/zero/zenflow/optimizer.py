@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from shardspeed.config import ConfigError
 from shardspeed.config.zero import ZenFlowConfig
 from shardspeed.core.precision import step_multiplier
 from shardspeed.ops.zenflow_adam import ZenFlowSelectiveAdamW
@@ -52,6 +53,12 @@ class ZenFlowZeroOptimizer(ZeroOptimizer):
         self.columns = column_params(self.buckets)
         self._by_name = {b.names[i]: b.params[i] for b in self.buckets for i in range(len(b.params))}
         self.selection: dict[str, torch.Tensor] = {}
+        missing = [k for k in _HYPER if k not in self.optimizer.param_groups[0]]
+        if missing:  # the selective step is AdamW with the optimizer's own hyperparameters
+            raise ConfigError(
+                f"zero_optimization.zenflow: needs an Adam-family optimizer (its selective step is AdamW with the "
+                f"optimizer's {', '.join(_HYPER)}), got {type(self.optimizer).__name__}"
+            )
         groups = []
         for group, params in zip(self.optimizer.param_groups, self.model_param_groups):
             groups.append(
