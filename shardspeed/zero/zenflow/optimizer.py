@@ -178,6 +178,15 @@ class ZenFlowZeroOptimizer(ZeroOptimizer):
             "accumulated": [t.clone() for t in self.accumulated],
         }
 
+    def start_afresh(self) -> None:
+        """Forget the selection, the selective moments and the accumulator: the next step selects anew (a
+        load without this rank's ZenFlow file)."""
+        self.schedule.restart()
+        self.selection = {}
+        self.selective.state.clear()
+        for total in self.accumulated:
+            total.zero_()
+
     def load_zenflow_state_dict(self, state: dict) -> None:
         self.schedule.load_state_dict(state["schedule"])
         device = self.buckets[0].device if self.buckets else torch.device("cpu")

@@ -41,7 +41,7 @@ class ZenFlowState(Part):
         path = ctx.path / _file_name(dist.get_rank())
         if ctx.resharded or not path.is_file():
             log_dist(f"{path.name} not restored (absent, or saved at another layout): ZenFlow selects afresh")
-            self.optimizer.schedule.steps = self.optimizer.schedule.warm_up_rounds  # next step selects
+            self.optimizer.start_afresh()
             return
         self.optimizer.load_zenflow_state_dict(files.load_file(path))
 

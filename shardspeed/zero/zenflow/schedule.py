@@ -73,6 +73,11 @@ class ZenFlowSchedule:
     auto: AutoUpdate | None = None
     steps: int = 0  # ZenFlow steps applied so far (warm-up included)
     accumulated: int = 0  # steps whose gradient waits for the host optimizer
+    origin: int = -1  # the step selections are counted from: the end of the warm-up, or a restart
+
+    def __post_init__(self) -> None:
+        if self.origin < 0:
+            self.origin = self.warm_up_rounds
 
     @classmethod
     def from_config(cls, config: ZenFlowConfig, loader_steps_per_epoch: int | None) -> ZenFlowSchedule:
@@ -99,7 +104,7 @@ class ZenFlowSchedule:
         return self.steps < self.warm_up_rounds
 
     def _selects_at(self, step: int) -> bool:
-        since = step - self.warm_up_rounds
+        since = step - self.origin
         return since == 0 or (since > 0 and self.select_every > 0 and since % self.select_every == 0)
 
     def selects_now(self) -> bool:
@@ -114,6 +119,14 @@ class ZenFlowSchedule:
             return self.accumulated + 1 >= self.update_every
         return self.auto.due()
 
+    def restart(self) -> None:
+        """Select afresh at the next step (nothing accumulated), counting re-selections from there. What is
+        left of the warm-up is skipped: the weights this follows (a load) are already trained."""
+        self.origin, self.accumulated = max(self.steps, self.warm_up_rounds), 0
+        self.steps = max(self.steps, self.warm_up_rounds)
+        if self.auto is not None:
+            self.auto.reset()
+
     def finish_step(self, updated: bool) -> None:
         self.steps += 1
         self.accumulated = 0 if updated else self.accumulated + 1
@@ -124,10 +137,12 @@ class ZenFlowSchedule:
         return {
             "steps": self.steps,
             "accumulated": self.accumulated,
+            "origin": self.origin,
             "auto": self.auto.state_dict() if self.auto is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.steps, self.accumulated = state["steps"], state["accumulated"]
+        self.origin = state.get("origin", self.warm_up_rounds)
         if self.auto is not None and state.get("auto") is not None:
             self.auto.load_state_dict(state["auto"])
