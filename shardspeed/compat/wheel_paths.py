@@ -18,6 +18,10 @@ INTERNAL = (
     "a DeepSpeed-internal helper with no counterpart in shardspeed's design; the public accessors "
     "(deepspeed.utils.safe_get_*/safe_set_*) and engine methods cover what users do with it"
 )
+_ZENFLOW_INTERNAL = (
+    "DeepSpeed's engine and optimizer glue for ZenFlow; shardspeed's ZenFlow is ZeRO's own optimizer "
+    "(shardspeed.zero.zenflow), configured by zero_optimization.zenflow"
+)
 _OPTIMIZER_MODULES = {  # DeepSpeed keeps each optimizer in a submodule; here each family is one module
     "ops.adam.cpu_adam": "shardspeed.ops.adam",
     "ops.adam.fused_adam": "shardspeed.ops.adam",
@@ -118,8 +122,6 @@ _STAND_IN_MODULES = {
     "the aio settings for the offload folder",
     "ops.adam.multi_tensor_apply": KERNELS,
     "ops.lion.multi_tensor_apply": KERNELS,
-    "ops.adam.zenflow_cpu_adam": "ZenFlow is not built",
-    "ops.adam.zenflow_torch_adam": "ZenFlow is not built",
     "ops.compile": "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module",
     "ops.gds": KERNELS,
     "ops.pin_memory": "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()",
@@ -147,7 +149,9 @@ _STAND_IN_MODULES = {
     "(offload_param / offload_optimizer device nvme)",
     "runtime.torch_autocast": INTERNAL,
     "runtime.weight_quantizer": "weight quantization on load is not built",
-    "runtime.zenflow": "ZenFlow is not built",
+    "runtime.zenflow.engine": _ZENFLOW_INTERNAL,
+    "runtime.zenflow.engine_stage3": "ZenFlow at ZeRO stage 3 is not built (stages 1 and 2 are)",
+    "runtime.zenflow.zenflow_stage_1_and_2": _ZENFLOW_INTERNAL,
     "runtime.zero.contiguous_memory_allocator": INTERNAL,
     "runtime.zero.muon": "ZeRO's Muon optimizer (its sharded Newton-Schulz step) is not built",
     "runtime.zero.partitioned_param_coordinator": INTERNAL,
@@ -192,6 +196,12 @@ _REAL_OR_REFUSED_NAMES = {
 }
 # Names DeepSpeed's own tests import from modules shardspeed does have, which it does not offer there
 _NAMES_NOT_OFFERED = {
+    "runtime.zenflow.zenflow_utils": (
+        "_flatten_dense_tensors _unflatten_dense_tensors disable_accelerator all_tensors_equal "
+        "_compute_zf_pt_affinity zenflow_optimizer_process start_optimizer_process "
+        "ZENFLOW_OPTIMIZER_WAIT_POLL_SECONDS",
+        "ZenFlow's overlapped variant (its optimizer process) is not built",
+    ),
     "module_inject.layers": (
         "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce "
         "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer "
@@ -244,7 +254,6 @@ _INTERNAL_NAMES = {
     "parse_arguments update_lr",
     "runtime.zero.config": "DeepSpeedConfigModel DeepSpeedZeroLeafModuleConfig ZenFlowConfig get_scalar_param "
     "get_zero_config pp_int read_zero_config_deprecated",
-    "ops.adam": "ZenFlowCPUAdam ZenFlowSelectiveAdamW ZenFlowSelectiveAdamW_stage3",
 }
 
 

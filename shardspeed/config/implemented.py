@@ -90,6 +90,15 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_optimization.offload_optimizer.pipeline_read",
         "zero_optimization.offload_optimizer.pipeline_write",
         "zero_optimization.offload_param",
+        # ZenFlow (zero/zenflow/): all but the overlapped variant's keys
+        "zero_optimization.zenflow.topk_ratio",
+        "zero_optimization.zenflow.select_strategy",
+        "zero_optimization.zenflow.select_interval",
+        "zero_optimization.zenflow.update_interval",
+        "zero_optimization.zenflow.offload",
+        "zero_optimization.zenflow.auto_ratio",
+        "zero_optimization.zenflow.full_warm_up_rounds",
+        "zero_optimization.zenflow.steps_per_epoch",
         # ZeRO++ (zero/zeropp/): quantized weight gathers, hpZ secondary partitions, quantized gradients,
         # int8 frozen weights. zeropp_loco_param is refused there (DeepSpeed removed LoCo).
         "zero_optimization.zero_quantized_weights",
@@ -211,7 +220,10 @@ _REASONS: dict[str, str] = {
     "bf16.bf16_optimizer_states": "optimizer state is always fp32",
     "aio.use_gds": "GPUDirect Storage is not available (NVMe I/O goes through the host)",
     "tensor_parallel": "this tensor-parallel option is not implemented for training",
-    "zero_optimization.zenflow": "ZenFlow is not implemented",
+    "zero_optimization.zenflow.overlap_step": "ZenFlow's overlapped variant (the host step in a separate process, "
+    "one update interval behind) is not built; the host step runs in the training step",
+    "zero_optimization.zenflow.pt_reserved_cores_perc": "it splits cores for ZenFlow's overlapped variant, which "
+    "is not built",
     "zero_optimization.offload_optimizer.ratio": "partial optimizer offload is not implemented",
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload is not implemented",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "SuperOffload is not implemented",

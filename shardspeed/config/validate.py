@@ -22,6 +22,7 @@ def check_all(cfg: ShardspeedConfig) -> None:
     check_gradient_predivide(cfg)
     check_gradient_allreduce_op(cfg)
     check_compute_grad_norm(cfg)
+    check_zenflow(cfg)
 
 
 def model_dtype_name(cfg: ShardspeedConfig) -> str:
@@ -63,12 +64,12 @@ def check_gradient_allreduce_op(cfg: ShardspeedConfig) -> None:
             "gradient_allreduce_op: 'sum' is not supported with ZeRO stage 3 (zero_optimization.stage 3, as in "
             "DeepSpeed); use 'mean' or a lower stage"
         )
-    # DeepSpeed refuses these two combinations in these words; shardspeed implements neither feature, which
-    # the message says too, so the user learns both reasons at once
+    # DeepSpeed refuses these two combinations in these words (ZenFlow's selection reads averaged gradients);
+    # shardspeed does not implement DeepCompile, which the message says too, so the user learns both reasons
     if cfg.zero_optimization.zenflow is not None:
         raise ConfigError(
             "gradient_allreduce_op: 'sum' is not supported with ZenFlow (zero_optimization.zenflow, as in "
-            "DeepSpeed), and ZenFlow itself is not implemented by shardspeed; remove zero_optimization.zenflow"
+            "DeepSpeed: its selection reads averaged gradients); use 'mean'"
         )
     if cfg.compile.deepcompile:
         raise ConfigError(
@@ -91,4 +92,34 @@ def check_compute_grad_norm(cfg: ShardspeedConfig) -> None:
         raise ConfigError(
             "zero_optimization.compute_grad_norm: false is not supported with optimizer offload "
             f"(zero_optimization.offload_optimizer.device is {offload.device!r})"
+        )
+
+
+def check_zenflow(cfg: ShardspeedConfig) -> None:
+    """ZenFlow runs on ZeRO 1-2 with the optimizer offloaded to CPU memory (zero/zenflow/)."""
+    zero, path = cfg.zero_optimization, "zero_optimization.zenflow"
+    zenflow = zero.zenflow
+    if zenflow is None:
+        return
+    if zero.stage not in (1, 2):
+        raise ConfigError(
+            f"{path}: needs zero_optimization.stage 1 or 2, got stage {zero.stage}"
+            + (" (ZenFlow at stage 3 is not built)" if zero.stage == 3 else "")
+        )
+    offload = zero.offload_optimizer
+    if offload is None or offload.device != "cpu":
+        device = "none" if offload is None else offload.device
+        raise ConfigError(
+            f"{path}: needs zero_optimization.offload_optimizer.device 'cpu' (ZenFlow offloads the "
+            f"unselected columns' updates), got {device!r}"
+        )
+    if zenflow.select_strategy == "auto" and zenflow.select_interval != "auto":
+        raise ConfigError(
+            f"{path}.select_interval: {zenflow.select_interval} cannot be combined with {path}.select_strategy "
+            "'auto' (which re-selects every epoch); remove select_interval or use select_strategy 'step' or 'epoch'"
+        )
+    if zenflow.select_strategy != "auto" and zenflow.select_interval == "auto":
+        raise ConfigError(
+            f"{path}.select_interval: needs a number with {path}.select_strategy {zenflow.select_strategy!r} "
+            "('auto' goes with select_strategy 'auto')"
         )

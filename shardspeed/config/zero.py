@@ -144,25 +144,35 @@ class ZenFlowConfig:
     ACTIVE_WHEN_PRESENT: ClassVar[bool] = True
 
     topk_ratio: Annotated[float, Key(gt=0, le=1)] = 0.1
-    """Share of important gradient columns updated on the device. Default 0.1."""
+    """Share of each 2-D parameter's columns (top by gradient L1 norm) updated on the device at every step;
+    1 is accepted (every column: plain AdamW on the device; DeepSpeed requires < 1). Default 0.1."""
     select_strategy: Literal["auto", "step", "epoch"] = "auto"
-    """How important columns are chosen. Default "auto"."""
+    """When columns are re-selected: every select_interval "step"s or "epoch"s; "auto" = every epoch. Default
+    "auto"."""
     select_interval: int | Literal["auto"] = "auto"
-    """Steps between re-selections. Default "auto"."""
+    """Steps (or epochs) between re-selections; 0 = select once; "auto" only with select_strategy "auto".
+    Default "auto"."""
     update_interval: int | Literal["auto"] = "auto"
-    """Steps between updates of the other columns. Default "auto"."""
+    """Steps between the host optimizer's updates of the other columns; "auto" = when their accumulated
+    gradient has caught up (auto_ratio). Default "auto"."""
     overlap_step: bool = False
     """Overlap the CPU step with forward/backward. Default false."""
     offload: bool = False
-    """Offload selective optimizer state. Default false."""
+    """Keep the selective optimizer's moments in host memory between steps. Default false."""
     auto_ratio: Annotated[float, Key(ge=0, le=1)] = 0.99
-    """Threshold of the "auto" strategy. Default 0.99."""
+    """update_interval "auto": share of 2-D parameters that must have caught up. Default 0.99."""
     full_warm_up_rounds: NonNegInt = 0
-    """Rounds of full updates first. Default 0."""
+    """Ordinary ZeRO-Offload steps (every column on the host) before ZenFlow starts. Default 0."""
     pt_reserved_cores_perc: Annotated[float, Key(ge=0, le=1)] = 0.5
     """Share of cores kept for PyTorch. Default 0.5."""
     steps_per_epoch: PositiveInt | None = None
-    """Set by DeepSpeed at run time. Default null."""
+    """Optimizer steps per epoch for the "epoch" strategy; null = the training dataloader's. Default null."""
+
+    def validate(self, path: str) -> None:
+        for key in ("select_interval", "update_interval"):
+            value, least = getattr(self, key), 1 if key == "update_interval" else 0
+            if value != "auto" and value < least:
+                raise ConfigError(f'{join(path, key)}: must be "auto" or an integer >= {least}, got {value}')
 
 
 _PREFETCH_SYNONYMS = ("prefetch_bucket_size",)

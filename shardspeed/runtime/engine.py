@@ -46,7 +46,7 @@ from shardspeed.runtime.engine_getters import ConfigGetters
 from shardspeed.runtime.engine_integrations import IntegrationMethods
 from shardspeed.runtime.observers import StepObservers
 from shardspeed.runtime.python_gc import ProcessSettings
-from shardspeed.runtime.stage_wrappers import StageSettings, wrap_optimizer
+from shardspeed.runtime.stage_wrappers import StageSettings, loader_steps_per_epoch, wrap_optimizer
 from shardspeed.runtime.throughput import ThroughputTimer
 from shardspeed.runtime.timers import PhaseTimers
 from shardspeed.sequence.engine_part import SequenceParallelism
@@ -251,6 +251,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         return wrap_optimizer(
             self.module, optimizer, StageSettings.from_config(self._config), plan=self.plan,
             group=self.dp_group, moe=self.moe, zeropp=self.zeropp,
+            steps_per_epoch=loader_steps_per_epoch(self.training_dataloader, self.gradient_accumulation_steps()),
         )  # fmt: skip
 
     # -- the training loop ---------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 which order, and the training counters, the one piece of state the engine itself holds.
 
 Order (the save and load order): the module and optimizer wrapper (`ModelStates`, or MoE's subclass, or
-the pipeline's), the tensor layout, the LR scheduler, the compression schedule, the data sampler (the
-curriculum sampler's state when curriculum sampling is on), the random-LTD and legacy curriculum schedulers, the
+the pipeline's), the tensor layout, ZenFlow's state (zero/zenflow/part.py), the LR scheduler, the
+compression schedule, the data sampler (the curriculum sampler's state when curriculum sampling is on), the random-LTD and legacy curriculum schedulers, the
 counters, the config record, the RNG streams. A part added to the list is saved and loaded without the
 checkpoint code knowing it. `weights_source` says the same parts' story to the 16-bit export.
 """
@@ -18,6 +18,7 @@ from shardspeed.checkpoint.tensor_parallel import TensorParallelState
 from shardspeed.moe.checkpoint import MoEModelStates
 from shardspeed.runtime.data import sampler_state
 from shardspeed.version import __version__
+from shardspeed.zero.zenflow import zenflow_parts
 
 __all__ = ["TrainingCounters", "checkpoint_parts", "model_part", "placement", "weights_source"]
 
@@ -87,6 +88,7 @@ def checkpoint_parts(engine) -> list:
     return [
         model_part(engine),
         TensorParallelState(getattr(engine, "tensor_parallel", None)),
+        *zenflow_parts(engine.optimizer),  # ZenFlow's selection, moments and accumulator, per rank
         NamedState("lr_scheduler", engine.lr_scheduler, scheduler=True),
         engine.compression.checkpoint_part(),
         sampler_state(engine.training_dataloader),

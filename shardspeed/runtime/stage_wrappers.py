@@ -24,8 +24,9 @@ from shardspeed.zero.offload import OptimizerOffload
 from shardspeed.zero.optimizer import zero_stage_1_2, zero_stage_3
 from shardspeed.zero.swap import AioSettings
 from shardspeed.zero.swap.param_swapper import build_param_tier
+from shardspeed.zero.zenflow import ZenFlowZeroOptimizer
 
-__all__ = ["StageSettings", "wrap_optimizer"]
+__all__ = ["StageSettings", "loader_steps_per_epoch", "wrap_optimizer"]
 
 
 @dataclass(frozen=True)
@@ -60,23 +61,27 @@ class StageSettings:
 
 
 def wrap_optimizer(module, optimizer: torch.optim.Optimizer, settings: StageSettings, *, plan: PrecisionPlan,
-                   group, moe=None, zeropp=None):  # fmt: skip
+                   group, moe=None, zeropp=None, steps_per_epoch: int | None = None):  # fmt: skip
     """The stage's wrapper around the torch optimizer of `module`'s trainable parameters, averaging over the
     replica `group` (None: the world); with MoE (`moe`, the engine's ExpertParallelism) one wrapper per
-    reduction domain. `zeropp`: ZeRO++'s part (stage 3), or None."""
+    reduction domain. `zeropp`: ZeRO++'s part (stage 3), or None. `steps_per_epoch`: optimizer steps per
+    pass over the training dataloader, when the engine has one (ZenFlow's "epoch" selection)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     scaler = make_scaler(settings.fp16, plan)
 
     def wrap(opt, sub, domain_group, owned=None):
-        return _wrap_params(module, opt, sub, domain_group, scaler, settings, plan, group, zeropp, owned)
+        return _wrap_params(module, opt, sub, domain_group, scaler, settings, plan, group, zeropp, owned,
+                            steps_per_epoch)  # fmt: skip
 
     if moe is not None:  # one wrapper per reduction domain (dense, each expert group)
+        if settings.zero.zenflow is not None:  # (its column selection is per wrapper, not built per domain)
+            raise ConfigError("zero_optimization.zenflow: ZenFlow is not supported with MoE layers")
         return moe.wrap_optimizer(optimizer, named, wrap, scaler=scaler, clip=settings.gradient_clipping)
     return wrap(optimizer, named, group)
 
 
 def _wrap_params(module, optimizer, named, group, scaler, settings: StageSettings, plan: PrecisionPlan,
-                 replica_group, zeropp, owned: set[int] | None = None):  # fmt: skip
+                 replica_group, zeropp, owned: set[int] | None = None, steps_per_epoch=None):  # fmt: skip
     """The stage's wrapper over the parameters `named`, reduced over `group` (stage 3: `owned` are the
     ids of the module parameters it partitions, frozen ones included; None for all). `replica_group` is
     the whole data-parallel group, over which parameter offload sizes its NVMe share."""
@@ -105,7 +110,19 @@ def _wrap_params(module, optimizer, named, group, scaler, settings: StageSetting
                                       replica_group)  # fmt: skip
         return zero_stage_3(module, optimizer, named, zero, owned=owned, param_tier=param_tier, zeropp=zeropp,
                             **common, **reduce_options)  # fmt: skip
+    if zero.zenflow is not None:  # (the config allows it at stages 1-2 with offload_optimizer cpu only)
+        zenflow = dict(zenflow=zero.zenflow, loader_steps_per_epoch=steps_per_epoch)
+        return zero_stage_1_2(optimizer, named, zero, wrapper_cls=ZenFlowZeroOptimizer, wrapper_options=zenflow,
+                              **common, **reduce_options)  # fmt: skip
     return zero_stage_1_2(optimizer, named, zero, **common, **reduce_options)
+
+
+def loader_steps_per_epoch(loader, gradient_accumulation_steps: int) -> int | None:
+    """Optimizer steps in one pass over `loader` (None: no loader, or one without a length)."""
+    try:
+        return len(loader) // gradient_accumulation_steps if loader is not None else None
+    except TypeError:
+        return None
 
 
 def _optimizer_offload(zero: ZeroConfig, aio: AioConfig) -> OptimizerOffload | None:

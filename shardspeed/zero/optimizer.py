@@ -501,9 +501,11 @@ def _sub_group_numel(zero: ZeroConfig, group) -> int:
 
 
 def zero_stage_1_2(optimizer, named_params, zero: ZeroConfig, *, plan: PrecisionPlan, scaler: LossScaler,
-                   gradient_clipping: float, group=None, offload=None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
+                   gradient_clipping: float, group=None, offload=None, wrapper_cls=ZeroOptimizer,
+                   wrapper_options: dict | None = None, **reduce_options) -> ZeroOptimizer:  # fmt: skip
     """The stage 1 or 2 wrapper (`zero.stage`) with the bucket sizes and reduction switches of the
-    `zero_optimization` block. `reduce_options`: prescale_gradients, gradient_predivide_factor, average."""
+    `zero_optimization` block. `reduce_options`: prescale_gradients, gradient_predivide_factor, average.
+    `wrapper_cls` / `wrapper_options`: a ZeroOptimizer subclass and its own arguments (ZenFlow's)."""
     by_comm_dtype = lambda p: comm_dtype_of(p, plan.comm_dtype)  # noqa: E731
     bucket_numel = min(int(zero.reduce_bucket_size), _sub_group_numel(zero, group))
     buckets = build_buckets(optimizer, {p: n for n, p in named_params}, bucket_numel, group, by_comm_dtype)
@@ -515,10 +517,10 @@ def zero_stage_1_2(optimizer, named_params, zero: ZeroConfig, *, plan: Precision
         grads = BucketedAllReducer([b.params for b in buckets], sharded=True, **reduce_kwargs)
     else:
         grads = ShardedGradReducer(buckets, **reduce_kwargs)
-    wrapper = ZeroOptimizer(
+    wrapper = wrapper_cls(
         optimizer, buckets, grads, stage=zero.stage, plan=plan, scaler=scaler,
         gradient_clipping=gradient_clipping, group=group, allgather_numel=int(zero.allgather_bucket_size),
-        offload=offload,
+        offload=offload, **(wrapper_options or {}),
     )  # fmt: skip
     wrapper.compute_grad_norm = zero.compute_grad_norm
     return wrapper

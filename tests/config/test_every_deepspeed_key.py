@@ -176,6 +176,13 @@ HONOURED_BY = {
     "hybrid_engine.pin_parameters": "test_hybrid_engine.py::test_pin_parameters_release_inference_cache_and_max_out_tokens",
     "hybrid_engine.inference_tp_size": "test_hybrid_engine_tp.py::test_tp2_generates_the_tokens_tp1_generates",
     "hybrid_engine.tp_gather_partition_size": "test_hybrid_engine_tp.py::test_tp2_holds_half_of_the_layer_weights",
+    "zero_optimization.zenflow": "test_zenflow.py::test_selected_columns_every_step_and_the_rest_at_the_interval",
+    "zero_optimization.zenflow.select_strategy": "test_zenflow.py::test_schedule_intervals",
+    "zero_optimization.zenflow.select_interval": "test_zenflow.py::test_schedule_intervals",
+    "zero_optimization.zenflow.update_interval": "test_zenflow.py::test_schedule_intervals",
+    "zero_optimization.zenflow.full_warm_up_rounds": "test_zenflow.py::test_schedule_intervals",
+    "zero_optimization.zenflow.auto_ratio": "test_zenflow.py::test_auto_update_interval",
+    "zero_optimization.zenflow.offload": "test_zenflow.py::test_selective_adamw_updates_only_the_selected_columns",
 }
 
 
@@ -187,6 +194,7 @@ CONTEXT = {
     "zero_optimization.cpu_offload_param": {"zero_optimization": {"stage": 3}},
     "zero_optimization.cpu_offload": {"zero_optimization": {"stage": 2}},
     "zero_optimization.offload_optimizer": {"zero_optimization": {"stage": 2}},
+    "zero_optimization.zenflow": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
     "tensor_parallel.tp.tp_size": {"tensor_parallel": {"autotp_size": 2}},
     "optimizer": {"optimizer": {"type": "AdamW"}},
     "scheduler": {"scheduler": {"type": "WarmupLR"}},
@@ -200,6 +208,7 @@ VALUES = {  # where the generated value would be invalid rather than merely non-
     "tensor_parallel.vocab_parallel_ce_backend": "liger",  # DeepSpeed's other backend
     "scheduler.type": "OneCycle",
     "zero_optimization.cpu_offload": True,
+    "zero_optimization.zenflow.select_strategy": "epoch",  # (select_interval "auto" goes with "auto" only)
     "zero_optimization.cpu_offload_param": True,
     "zero_optimization.cpu_offload_use_pin_memory": True,
     "allgather_size": 1000,
