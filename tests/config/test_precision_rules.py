@@ -49,7 +49,6 @@ def test_an_unknown_gradient_allreduce_op_is_refused_in_deepspeeds_words():
 @pytest.mark.parametrize(
     ("extra", "feature", "key"),
     [
-        ({"zero_optimization": {"stage": 2, "zenflow": {}}}, "ZenFlow", "zero_optimization.zenflow"),
         (
             {"zero_optimization": {"stage": 1}, "compile": {"deepcompile": True}},
             "DeepCompile",
