@@ -362,6 +362,33 @@ PATHS: dict[str, object] = {
     "pipe.DualPipeVModule": NotOffered(
         "the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"
     ),
+    # -- AutoEP (shardspeed.moe.autoep) ------------------------------------------------------------------
+    "module_inject.auto_ep": "shardspeed.moe.autoep.detect",
+    "module_inject.auto_ep._resolve_route_scale": "shardspeed.moe.autoep.detect:resolve_route_scale",
+    "module_inject.auto_ep_config": "shardspeed.moe.autoep.config",
+    "module_inject.auto_ep_config._UNSET": "shardspeed.moe.autoep.config:UNSET",
+    "module_inject.auto_ep_config.validate_autoep_config": "shardspeed.moe.autoep.validate:validate_autoep_config",
+    "module_inject.auto_ep_config.validate_autoep_post_detection": (
+        "shardspeed.moe.autoep.validate:validate_autoep_post_detection"
+    ),
+    "module_inject.auto_ep_config.PRESET_MODELS": "shardspeed.moe.autoep.presets:PRESET_MODELS",
+    "module_inject.auto_ep_config.available_preset_names": "shardspeed.moe.autoep.presets:available_preset_names",
+    "module_inject.auto_ep_config.resolve_autoep_config_defaults": (
+        "shardspeed.moe.autoep.presets:resolve_autoep_config_defaults"
+    ),
+    "module_inject.auto_ep_layer": "shardspeed.moe.autoep.layer",
+    "module_inject.auto_ep_preset_adapters": "shardspeed.moe.autoep.presets",
+    "module_inject.auto_ep_presets": "shardspeed.moe.autoep",
+    "module_inject.auto_ep_presets.registry": "shardspeed.moe.autoep.presets",
+    "module_inject.auto_ep_presets.base": "shardspeed.moe.autoep.config",
+    "module_inject.auto_ep_presets.base._UNSET": "shardspeed.moe.autoep.config:UNSET",
+    "module_inject.auto_ep_presets.base.AutoEPPresetAdapter": "shardspeed.moe.autoep.presets:AutoEPPresetAdapter",
+    "module_inject.auto_ep_presets.base.GroupRoutingConfig": "shardspeed.moe.autoep.presets:GroupRoutingConfig",
+    "moe.ep_router": "shardspeed.moe.autoep.router",
+    "moe.ep_count": "shardspeed.moe.autoep.router",
+    "moe.ep_experts": "shardspeed.moe.autoep.experts",
+    "moe.ep_repack": "shardspeed.moe.autoep.repack",
+    "moe.fused_expert_layout": "shardspeed.moe.autoep.experts",
 }
 
 add_wheel_paths(PATHS)  # every other module path of the 0.19.8 wheel, and the names DeepSpeed's tests import
