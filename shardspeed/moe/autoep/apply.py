@@ -33,17 +33,17 @@ def apply_autoep(module: nn.Module, block: Any, *, mpu=None, zero_stage: int = 0
     from shardspeed.moe.groups import build_expert_groups, data_parallel_slices
 
     config = block_to_config(block)
-    dp_world = len(data_parallel_slices(mpu)[0])
+    if config.enabled and zero_stage == 3:
+        raise ValueError(
+            "expert_parallel with ZeRO stage 3 is not supported: AutoEP's expert weights are not partitioned "
+            "by ZeRO-3 here; use ZeRO stage 0, 1 or 2"
+        )
+    dp_world = len(data_parallel_slices(mpu)[0]) if config.enabled else 1
     validate_autoep_config(
         config, world_size=dp_world, pp_size=1, tp_size=1, sp_size=1, zero_stage=zero_stage
     )
     if not config.enabled:
         return []
-    if zero_stage == 3:
-        raise ValueError(
-            "expert_parallel with ZeRO stage 3 is not supported: AutoEP's expert weights are not partitioned "
-            "by ZeRO-3 here; use ZeRO stage 0, 1 or 2"
-        )
     auto_ep = AutoEP(module, config)
     specs = auto_ep.ep_parser()
     if not specs:

@@ -64,21 +64,36 @@ def _expert_sources(experts: nn.Module, spec: MoELayerSpec, start: int, end: int
     raise ValueError(f"Unknown expert_storage type: {spec.expert_storage}")
 
 
+def _stack_module_list(experts: nn.Module, spec: MoELayerSpec, start: int, end: int) -> tuple:
+    """Every expert is gathered in global order, one at a time, though only [start, end) are kept: gathering is
+    collective under ZeRO-3, so every rank must gather the same parameters in the same order."""
+    if not spec.expert_w3_name:
+        raise ValueError("module_list experts need separate gate (expert_w1) and up (expert_w3) weights")
+    names = (spec.expert_w1_name, spec.expert_w2_name, spec.expert_w3_name)
+    kept: list[list[torch.Tensor]] = [[], [], []]
+    for index in range(len(experts)):
+        weights = [_weight(experts[index], name) for name in names]
+        with gathered_sources(weights):
+            if start <= index < end:
+                for role, weight in enumerate(weights):
+                    kept[role].append(weight.data.detach().clone())
+    for role, name in enumerate(names):
+        kinds = {(w.dtype, w.device) for w in kept[role]}
+        if len(kinds) != 1:
+            raise ValueError(
+                f"AutoEP cannot stack the '{name}' weights of layer '{spec.moe_module_name}': mixed dtype/device "
+                f"{sorted(str(k) for k in kinds)}; cast the experts to one dtype and device first"
+            )
+    return tuple(torch.stack(role) for role in kept)
+
+
 def repack_expert_weights(experts_source: nn.Module, spec: MoELayerSpec, ep_rank: int, ep_size: int) -> tuple:
     """`(w1, w2, w3)` of this rank's experts, fresh tensors in the source's dtype and device."""
     start, end = local_expert_range(spec.num_experts, ep_rank, ep_size)
+    if spec.expert_storage == "module_list":
+        return _stack_module_list(experts_source, spec, start, end)
     sources = _expert_sources(experts_source, spec, start, end)
     with gathered_sources(sources):
-        if spec.expert_storage == "module_list":
-            width = 3 if spec.expert_w3_name else 2
-            if width != 3:
-                raise ValueError(
-                    "module_list experts need separate gate (expert_w1) and up (expert_w3) weights"
-                )
-            w1 = torch.stack([w.data for w in sources[0::3]])
-            w2 = torch.stack([w.data for w in sources[1::3]])
-            w3 = torch.stack([w.data for w in sources[2::3]])
-            return w1.clone(), w2.clone(), w3.clone()
         w1_all, w2_all = sources[0].data[start:end], sources[1].data[start:end]
         if spec.expert_w3_name is not None:
             return w1_all.clone(), w2_all.clone(), sources[2].data[start:end].clone()
@@ -112,8 +127,8 @@ def repack_expert_requires_grad_flags(
         flags = {bool(w.requires_grad) for w in sources[group::3]}
         if len(flags) != 1:
             raise ValueError(
-                f"AutoEP cannot stack experts of layer '{spec.moe_module_name}' whose '{role}' weights mix "
-                "requires_grad=True and False; freeze or unfreeze them together"
+                f"AutoEP cannot stack the '{role}' weights of layer '{spec.moe_module_name}': mixed requires_grad "
+                "flags (some frozen, some trainable); freeze or unfreeze this rank's experts together"
             )
         result.append(flags.pop())
     return tuple(result)
