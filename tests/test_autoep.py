@@ -55,6 +55,9 @@ def test_block_refuses_unknown_keys_and_expert_bias(block, match):
         ({"score_apply": "middle"}, "score_apply"),
         ({"comm_backend": "deepep"}, "deepep"),
         ({"combine_impl": "fused_weighted_sum"}, "fused_weighted_sum"),
+        ({"comm_num_sm": 24}, "comm_num_sm"),
+        ({"async_split_plan": True}, "async_split_plan"),
+        ({"row_weighting_impl": "fused"}, "row_weighting_impl"),
         ({"preset_model": "gpt2"}, "preset_model"),
         ({"expert_w1": "a.b"}, "expert_w1"),
         ({"num_expert_groups": 2, "num_limited_groups": 3}, "num_limited_groups"),
@@ -143,6 +146,9 @@ def test_grouped_experts_loop_and_grouped_mm_compute_each_experts_swiglu():
     )
     torch.testing.assert_close(loop(x, counts), expected)
     torch.testing.assert_close(grouped(x, counts), expected, rtol=1e-5, atol=1e-5)
+    fused = GroupedExperts(8, 12, 3, use_grouped_mm=True, gate_up_impl="fused")  # gate and up as one product
+    fused.load_state_dict(loop.state_dict())
+    torch.testing.assert_close(fused(x, counts), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="activation"):
         GroupedExperts(8, 12, 3, use_grouped_mm=False, activation="relu")
 
@@ -285,3 +291,59 @@ class _OneRank:
 
     def get_data_parallel_world_size(self):
         return 1
+
+
+class _CustomBlock(nn.Module):
+    """A block under names no preset uses: router `route`, experts `bank` with separate 3D gate/up weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.route = nn.Linear(H, 4, bias=False)
+        self.bank = nn.Module()
+        self.bank.g, self.bank.u = nn.Parameter(torch.randn(4, FFN, H)), nn.Parameter(torch.randn(4, FFN, H))
+        self.bank.d = nn.Parameter(torch.randn(4, H, FFN))
+        self.extra = _Expert()
+        self.extra_gate = nn.Linear(H, 1, bias=False)
+
+
+def test_block_keys_override_the_preset_in_detection():
+    model = nn.Module()
+    model.config = type("Cfg", (), {"experts_total": 4, "k": 3})()
+    model.blocks = nn.ModuleList([_CustomBlock()])
+    block = {
+        "enabled": True, "moe_layer_pattern": r"blocks\.\d+", "router_pattern": "route", "expert_pattern": "bank",
+        "expert_w1": "g", "expert_w2": "d", "expert_w3": "u", "num_experts_attr": "experts_total", "top_k_attr": "k",
+        "score_func": "sigmoid", "route_norm": False, "score_apply": "pre", "has_shared_experts": True,
+        "shared_experts_pattern": "extra", "shared_experts_gate_pattern": "extra_gate", "expert_activation": "geglu_tanh", "use_grouped_mm": False,
+    }  # fmt: skip
+    (spec,) = AutoEP(model, parse_autoep_config(block)).ep_parser()
+    assert (spec.model_family, spec.router_name, spec.experts_name, spec.num_experts, spec.top_k) == (
+        "custom", "route", "bank", 4, 3,
+    )  # fmt: skip
+    assert (spec.expert_w1_name, spec.expert_w2_name, spec.expert_w3_name) == ("g", "d", "u")
+    assert (spec.score_func, spec.route_norm, spec.score_apply, spec.expert_activation) == (
+        "sigmoid", False, "pre", "geglu_tanh",
+    )  # fmt: skip
+    assert spec.has_shared_experts and (spec.shared_experts_name, spec.shared_experts_gate_name) == (
+        "extra",
+        "extra_gate",
+    )
+    assert AutoEP(model, parse_autoep_config({**block, "top_k": 1})).ep_parser()[0].top_k == 1
+    # the replaced block computes with those settings: sigmoid weights applied before the experts, GeGLU
+    source = model.blocks[0]
+    layer = AutoEP(model, parse_autoep_config(block)).replace_moe_layer(spec, 1, 0)
+    x = torch.randn(1, 2, H)
+    flat = x.reshape(-1, H)
+    scores = torch.sigmoid(source.route(flat))
+    weights, chosen = scores.topk(3, dim=-1)
+    expected = torch.stack(
+        [
+            sum(
+                (F.gelu(source.bank.g[e] @ (w * t), approximate="tanh") * (source.bank.u[e] @ (w * t)))
+                @ source.bank.d[e].t()
+                for w, e in zip(weights[i], chosen[i].tolist())
+            )
+            for i, t in enumerate(flat)
+        ]
+    ).reshape(x.shape) + torch.sigmoid(source.extra_gate(x)) * source.extra(x)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)

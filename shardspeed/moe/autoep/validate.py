@@ -143,11 +143,13 @@ def _check_not_built(config: AutoEPConfig) -> None:
         )
     if config.gate_up_impl == "fused" and not config.use_grouped_mm:
         raise ValueError('expert_parallel.gate_up_impl="fused" needs use_grouped_mm=true')
-    for key in ("comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank"):
-        value = getattr(config, key)
-        low = 1 if key == "comm_num_sm" else 0
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"expert_parallel.{key} must be an integer >= {low}, got {value!r}")
+    # DeepEP's buffer settings: they mean something only to the DeepEP backend, refused above.
+    for key, default in (("comm_num_sm", 12), ("comm_qp_margin", 4), ("comm_max_tokens_per_rank", 0)):
+        if getattr(config, key) != default:
+            raise ValueError(
+                f"expert_parallel.{key}={getattr(config, key)!r} sizes DeepEP's buffers, and DeepEP is not built "
+                f"(comm_backend 'comm' has no such setting); leave it at {default}"
+            )
 
 
 def _divisors(n: int) -> list[int]:
