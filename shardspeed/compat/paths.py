@@ -30,6 +30,11 @@ _DATA_ANALYZER = (
     "per sample and write the curriculum's index files with shardspeed.data_pipeline.write_metric_index"
 )
 
+_AUTOEP_FAMILY = (
+    "AutoEP's presets are one registry here: deepspeed.module_inject.auto_ep_presets.registry.PRESET_MODELS "
+    "(shardspeed.moe.autoep.presets), one entry per family"
+)
+
 PATHS: dict[str, object] = {
     # -- top-level names (`deepspeed.X`) -----------------------------------------------------------------
     "initialize": "shardspeed.api:initialize",
@@ -389,6 +394,19 @@ PATHS: dict[str, object] = {
     "moe.ep_experts": "shardspeed.moe.autoep.experts",
     "moe.ep_repack": "shardspeed.moe.autoep.repack",
     "moe.fused_expert_layout": "shardspeed.moe.autoep.experts",
+    "module_inject.auto_ep_presets.deepseek_v2": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.deepseek_v3": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.mixtral": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.qwen3_5_moe": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.qwen3_moe": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.minimax_m3": NotOffered(
+        "the MiniMax-M3 AutoEP preset is not offered", True
+    ),
+    "checkpoint.autoep_universal": NotOffered(
+        "AutoEP checkpoints (per-expert files, their universal conversion) are not built; saving or loading a "
+        "model with AutoEP layers is refused",
+        True,
+    ),
 }
 
 add_wheel_paths(PATHS)  # every other module path of the 0.19.8 wheel, and the names DeepSpeed's tests import
