@@ -347,3 +347,17 @@ def test_block_keys_override_the_preset_in_detection():
         ]
     ).reshape(x.shape) + torch.sigmoid(source.extra_gate(x)) * source.extra(x)
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_deepspeed_config_parses_the_block_and_refuses_expert_bias():
+    from shardspeed.compat.mirrors.runtime_config import DeepSpeedConfig
+
+    block = {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}
+    parsed = DeepSpeedConfig(
+        {"train_micro_batch_size_per_gpu": 1, "expert_parallel": block}
+    ).expert_parallel_config
+    assert (parsed.enabled, parsed.preset_model, parsed.load_balance_coeff) == (True, "mixtral", None)
+    with pytest.raises(ValueError, match=r"load_balance_coeff=0\.02"):
+        DeepSpeedConfig(
+            {"train_micro_batch_size_per_gpu": 1, "expert_parallel": {**block, "load_balance_coeff": 0.02}}
+        )
