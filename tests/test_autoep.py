@@ -271,7 +271,7 @@ def test_deepseek_v3_module_list_experts_group_routing_and_shared_expert(monkeyp
     torch.testing.assert_close(model(x, y), reference(x, y))
 
 
-def test_engine_refuses_autoep_with_zero_3_and_an_unknown_key():
+def test_engine_refuses_autoep_with_zero_3_autotp_and_an_unknown_key():
     from shardspeed.moe.autoep.apply import apply_autoep
 
     class Block:

@@ -45,11 +45,12 @@ class ExpertParallelism:
         data_before_expert: bool = False,
         autoep=None,
         zero_stage: int = 0,
+        tp_size: int = 1,
     ):
         """The part for `module`, or None without MoE layers (collective: creates the groups). `autoep`: the
         `expert_parallel` block; when enabled, the model's MoE blocks are first replaced by AutoEP layers."""
         if autoep is not None:
-            apply_autoep(module, autoep, mpu=mpu, zero_stage=zero_stage)
+            apply_autoep(module, autoep, mpu=mpu, zero_stage=zero_stage, tp_size=tp_size)
         layers = [m for m in module.modules() if isinstance(m, (MoE, AutoEPMoELayer))]
         if not layers:
             return None

@@ -117,6 +117,7 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         self.moe = ExpertParallelism.discover(
             self.module, mpu, self.dp_group, config.use_data_before_expert_parallelism,
             autoep=config.expert_parallel, zero_stage=self.zero_optimization_stage(),
+            tp_size=config.tensor_parallel.autotp_size,
         )  # fmt: skip
         self.has_moe_layers = self.moe is not None  # DeepSpeed's attribute
         if self.moe is None:

@@ -28,7 +28,9 @@ def block_to_config(block: Any) -> AutoEPConfig:
     return parse_autoep_config({"enabled": block.enabled, **dict(block.options)})
 
 
-def apply_autoep(module: nn.Module, block: Any, *, mpu=None, zero_stage: int = 0) -> list[AutoEPMoELayer]:
+def apply_autoep(
+    module: nn.Module, block: Any, *, mpu=None, zero_stage: int = 0, tp_size: int = 1
+) -> list[AutoEPMoELayer]:
     """Replace `module`'s MoE blocks when the block is enabled; return the new layers (none when disabled)."""
     from shardspeed.moe.groups import build_expert_groups, data_parallel_slices
 
@@ -37,6 +39,11 @@ def apply_autoep(module: nn.Module, block: Any, *, mpu=None, zero_stage: int = 0
         raise ValueError(
             "expert_parallel with ZeRO stage 3 is not supported: AutoEP's expert weights are not partitioned "
             "by ZeRO-3 here; use ZeRO stage 0, 1 or 2"
+        )
+    if config.enabled and tp_size > 1:
+        raise ValueError(
+            f"expert_parallel with tensor_parallel.autotp_size={tp_size} (AutoEP folded into AutoTP groups) is not "
+            "built; use autotp_size 1"
         )
     dp_world = len(data_parallel_slices(mpu)[0]) if config.enabled else 1
     validate_autoep_config(
