@@ -283,14 +283,9 @@ def test_engine_refuses_autoep_with_zero_3_autotp_and_an_unknown_key():
     with pytest.raises(ValueError, match="autoep_sise"):
         apply_autoep(build(), Unknown())
     with pytest.raises(ValueError, match="ZeRO stage 3"):
-        apply_autoep(build(), Block(), zero_stage=3, mpu=_OneRank())
-
-
-class _OneRank:
-    """An mpu of one data-parallel rank, so the checks run without a process group."""
-
-    def get_data_parallel_world_size(self):
-        return 1
+        apply_autoep(build(), Block(), zero_stage=3)
+    with pytest.raises(ValueError, match="autotp_size=2"):
+        apply_autoep(build(), Block(), tp_size=2)
 
 
 class _CustomBlock(nn.Module):
