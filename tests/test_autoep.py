@@ -356,3 +356,24 @@ def test_deepspeed_config_parses_the_block_and_refuses_expert_bias():
         DeepSpeedConfig(
             {"train_micro_batch_size_per_gpu": 1, "expert_parallel": {**block, "load_balance_coeff": 0.02}}
         )
+
+
+@pytest.mark.parametrize(
+    ("topology", "match"),
+    [
+        ({"world_size": 7, "pp_size": 2}, "pp_size=2 must divide world_size=7"),
+        (
+            {"tp_size": 3},
+            r"autotp_size=3 must divide the stage size 8\. Valid autotp_size values: \[1, 2, 4, 8\]",
+        ),
+        ({"tp_size": 2, "sp_size": 2}, "mutually exclusive"),
+        ({"use_data_before_expert_parallel": True}, "use_data_before_expert_parallel_"),
+    ],
+)
+def test_topology_checks_name_what_is_wrong(topology, match):
+    sizes = {"world_size": 8, "pp_size": 1, "tp_size": 1, "sp_size": 1, **topology}
+    with pytest.raises(ValueError, match=match):
+        validate_autoep_config(AutoEPConfig(enabled=True, autoep_size=2), **sizes)
+    validate_autoep_config(
+        AutoEPConfig(enabled=True, autoep_size=2), world_size=8, pp_size=2, tp_size=1, sp_size=1
+    )

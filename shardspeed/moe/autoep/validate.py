@@ -38,24 +38,34 @@ def _check_attr_name(key: str, value: object) -> None:
 
 def _check_topology(config: AutoEPConfig, world_size: int, pp_size: int, tp_size: int, sp_size: int) -> None:
     """Expert-parallel groups are carved out of one pipeline stage's ranks (tensor-parallel ranks fold in)."""
-    if config.expert_tensor_parallel_size != 1:
+    etp = config.expert_tensor_parallel_size
+    if etp != 1:
         raise ValueError(
-            f"expert_parallel.expert_tensor_parallel_size={config.expert_tensor_parallel_size} is not supported: "
-            "experts are not tensor-parallel; use expert_tensor_parallel_size=1"
+            f"expert_parallel.expert_tensor_parallel_size={etp} is reserved for expert tensor parallelism, which "
+            "is not built; use expert_tensor_parallel_size=1"
         )
     size = config.autoep_size
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"expert_parallel.autoep_size must be a positive integer, got {size!r}")
-    if world_size % max(pp_size, 1):
-        raise ValueError(f"world size {world_size} is not divisible by pipeline size {pp_size}")
-    stage_size = world_size // max(pp_size, 1)
-    if stage_size % size:
-        raise ValueError(
-            f"expert_parallel.autoep_size={size} must divide the stage size {stage_size} "
-            f"(world_size={world_size} / pp_size={pp_size})"
-        )
+    pp_size = max(pp_size, 1)
+    if world_size % pp_size:
+        raise ValueError(f"pp_size={pp_size} must divide world_size={world_size}")
     if sp_size > 1 and tp_size > 1:
-        raise ValueError("AutoEP with both sequence and tensor parallelism is not supported")
+        raise ValueError("sequence parallelism and tensor parallelism are mutually exclusive with AutoEP")
+    if tp_size > 1 and pp_size > 1:
+        raise ValueError(f"AutoEP with tensor_parallel.autotp_size={tp_size} supports pp_size=1 only")
+    stage_size = world_size // pp_size
+    if tp_size > 1 and stage_size % tp_size:
+        raise ValueError(
+            f"tensor_parallel.autotp_size={tp_size} must divide the stage size {stage_size}. "
+            f"Valid autotp_size values: {_divisors(stage_size)}"
+        )
+    if stage_size % (size * etp):
+        raise ValueError(
+            f"expert_parallel.autoep_size * expert_parallel.expert_tensor_parallel_size = {size * etp} must divide "
+            f"the stage size {stage_size} (world_size={world_size} / pp_size={pp_size}). "
+            f"Valid expert-width values: {_divisors(stage_size)}"
+        )
 
 
 def validate_autoep_config(
@@ -66,7 +76,8 @@ def validate_autoep_config(
     sp_size: int,
     *,
     zero_stage: int = 0,
-    **unused_topology: object,
+    use_data_before_expert_parallel: bool = False,
+    **folding_only: object,  # DeepSpeed's AutoTP-folding inputs; folding (tp > 1) is refused at engine start
 ) -> None:
     """Check the block against itself and the topology; raise ValueError naming the key at fault."""
     if config.load_balance_coeff is not None:
@@ -76,6 +87,11 @@ def validate_autoep_config(
             raise ValueError(f"expert_parallel.{key} must be a boolean")
     if not config.enabled:
         return
+    if use_data_before_expert_parallel:
+        raise ValueError(
+            "use_data_before_expert_parallel_=True is not supported: expert-parallel groups are consecutive "
+            "data-parallel ranks"
+        )
     if config.async_split_plan:
         raise ValueError("expert_parallel.async_split_plan overlaps a CUDA copy stream; it is not built")
     _check_topology(config, world_size, pp_size, tp_size, sp_size)
