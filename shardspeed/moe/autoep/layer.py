@@ -354,8 +354,11 @@ class AutoEPMoELayer(nn.Module):
             return output
         logits = self.router.gate(x) if self.router_logits_capture_target == "router" else None
         if logits is not None and self.router_logits_capture_mode == "post_score":
-            scored = torch.softmax if self.router.score_func == "softmax" else None
-            logits = (scored(logits.float(), dim=-1) if scored else torch.sigmoid(logits.float())).to(
-                logits.dtype
+            scores = logits.float()
+            scores = (
+                torch.softmax(scores, dim=-1)
+                if self.router.score_func == "softmax"
+                else torch.sigmoid(scores)
             )
+            logits = scores.to(logits.dtype)
         return output, logits
