@@ -32,7 +32,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # What DeepSpeed's column needs said (measured with 0.19.8 on CPU; see the results file).
 DEEPSPEED_NOTE = (
     "\n"
-    + "DeepSpeed 0.19.8 ran the same job (`--deepspeed-python`, one launch per run, `DS_ACCELERATOR=cpu`). At ZeRO 0-2 every trainer logs exactly our losses. At ZeRO-3 every trainer stops before its first step, in Transformers' `from_pretrained` -> `deepspeed.zero.Init(config_dict_or_path=...)` -> `DeepSpeedConfig`: on CPU, Accelerate initialised torch.distributed itself, so `deepspeed.comm` reports no process group, DeepSpeedConfig takes a world size of 1 and its batch check fails (train batch 4, the size Transformers filled in for 2 ranks, != 2 x 1 x 1). The offload runs were not run under DeepSpeed (it JIT-builds DeepSpeedCPUAdam for them, minutes per build on this machine)."
+    + "DeepSpeed 0.19.8 ran the same job (`--deepspeed-python`, one launch per run, `DS_ACCELERATOR=cpu`). At ZeRO 0-2 every trainer logs exactly our losses. At ZeRO-3 every trainer stops before its first step, in Transformers' `from_pretrained` -> `deepspeed.zero.Init(config_dict_or_path=...)` -> `DeepSpeedConfig`: on CPU, Accelerate initialised torch.distributed itself, so `deepspeed.comm` reports no process group, DeepSpeedConfig takes a world size of 1 and its batch check fails (train batch 4, the size Transformers filled in for 2 ranks, != 2 x 1 x 1). With `offload_optimizer: cpu` at ZeRO 1-2 DeepSpeed steps with its DeepSpeedCPUAdam (JIT-built once) and shardspeed with torch's Adam on the host: SFT and RLOO log the same losses bit for bit, DPO, GRPO and the reward model within 2.4e-7 (fp32 rounding of two Adam implementations). Its ZeRO-3 offload runs stop as its ZeRO-3 runs do."
     + "\n"
 )
 RUNS = [

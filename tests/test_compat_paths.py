@@ -44,8 +44,25 @@ def _assert_stand_in(obj, path: str) -> None:
         obj(1, key=2)
 
 
+# Packages some table targets import (DeepSpeed's pydantic config classes, compat/mirrors/config_model.py)
+# that a core install lacks: there such an entry must fail naming the package, and in no other way.
+OPTIONAL_PACKAGES = ("pydantic",)
+
+
+def _missing_optional_package(path: str) -> bool:
+    """True when `path` cannot resolve only because an optional package is not installed."""
+    try:
+        _walk(path)
+    except ModuleNotFoundError as error:
+        assert error.name in OPTIONAL_PACKAGES, f"{path}: {error}"
+        return True
+    return False
+
+
 def test_every_table_entry_resolves_to_its_target_or_a_named_stand_in():
     for path, target in PATHS.items():
+        if not path.endswith(".*") and _missing_optional_package(path):
+            continue
         if path.endswith(".*"):
             module = importlib.import_module(target)
             name = module.__all__[0]
@@ -68,6 +85,8 @@ def test_table_entries_name_where_a_class_or_function_is_defined():
     hops = []
     for path, target in PATHS.items():
         if isinstance(target, str) and ":" in target and target.startswith("shardspeed."):
+            if _missing_optional_package(path):
+                continue
             module_name, attribute = target.split(":")
             obj = getattr(importlib.import_module(module_name), attribute)
             if inspect.isclass(obj) or inspect.isfunction(obj):
@@ -99,7 +118,7 @@ def test_every_public_name_of_deepspeed_0_19_8_resolves():
     missing = []
     for path in names:
         try:
-            _walk(path)
+            _missing_optional_package(path)
         except AttributeError as error:
             missing.append(f"{path}: {error}")
     assert not missing, missing

@@ -134,24 +134,3 @@ def test_plain_engine_refuses_a_pipeline_checkpoint(results):
     for rank_result in results:
         error = rank_result["plain engine"]
         assert "DeepSpeed pipeline checkpoint of 2 stages" in error and "PipelineModule" in error, error
-
-
-def test_deepspeed_moe_checkpoint_is_refused_by_name(tmp_path):
-    """DeepSpeed's MoE layout (expert files, expert-parallel optimizer files) is not read yet: its model-states
-    file (which records `num_experts`) is refused naming itself and the expert files, rather than read without
-    its experts. (A hand-edited fixture; a live DeepSpeed MoE save is refused with the same message.)"""
-    from shardspeed.checkpoint.deepspeed_format import read_model_states
-    from shardspeed.checkpoint.files import CheckpointError
-    from shardspeed.checkpoint.readers import open_checkpoint
-
-    folder = tmp_path / "moe"
-    shutil.copytree(FIXTURE.parent / "s2-fp32" / "global_step3", folder)
-    _rewrite(folder / "mp_rank_00_model_states.pt", lambda c: c.update(num_experts=[2]))
-    shutil.copy(folder / "mp_rank_00_model_states.pt", folder / "layer_0_expert_0_mp_rank_00_model_states.pt")
-    for read in (read_model_states, open_checkpoint):  # the engine's load; by-name reading (consolidation)
-        with pytest.raises(CheckpointError) as refused:
-            read(folder)
-        message = str(refused.value)
-        assert "mp_rank_00_model_states.pt is a DeepSpeed MoE checkpoint" in message, message
-        assert "layer_0_expert_0_mp_rank_00_model_states.pt" in message, message
-        assert "without MoE layers" in message, message

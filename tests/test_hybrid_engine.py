@@ -6,7 +6,8 @@
 - under ZeRO-3 with `pin_parameters` each parameter unit is gathered once per `generate`, however many tokens
   are made, and released afterwards; with `pin_parameters` false, the model's own generate gathers per token;
 - training after a `generate` equals training without it;
-- `release_inference_cache`, `max_out_tokens`, and the keys it refuses.
+- `release_inference_cache`, `max_out_tokens`, and the keys it refuses (`inference_tp_size` > 1:
+  test_hybrid_engine_tp.py; LoRA: test_hybrid_engine_lora.py).
 The model is tests/inference_models.py's tiny Llama (torch only), which the fast decode path runs.
 """
 
@@ -214,8 +215,7 @@ def test_pin_parameters_release_inference_cache_and_max_out_tokens(hybrid_result
 @pytest.mark.parametrize(
     ("block", "message"),
     [
-        ({"inference_tp_size": 2}, "hybrid_engine.inference_tp_size: 2 is not supported by shardspeed"),
-        ({"tp_gather_partition_size": 4}, "hybrid_engine.tp_gather_partition_size: 4 is not supported"),
+        ({"tp_gather_partition_size": 4}, "hybrid_engine.tp_gather_partition_size: 4 has no effect with "),
         ({"enable_cuda_graph": True}, "hybrid_engine.enable_cuda_graph: true is not supported"),
         ({"max_out_token": 64}, "hybrid_engine.max_out_token"),  # a misspelt key, named
         ({"max_out_tokens": 0}, "hybrid_engine.max_out_tokens"),
@@ -226,6 +226,18 @@ def test_values_that_cannot_be_honoured_are_refused_by_name(block, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config({"train_batch_size": 2, "hybrid_engine": {"enabled": True, **block}})
+
+
+def test_tensor_parallel_generation_keys_are_accepted():
+    from shardspeed.config import load_config
+
+    block = {
+        "enabled": True,
+        "inference_tp_size": 2,
+        "tp_gather_partition_size": 4,
+    }  # tests/test_hybrid_engine_tp.py
+    settings = load_config({"train_batch_size": 2, "hybrid_engine": block}).hybrid_engine
+    assert settings.inference_tp_size == 2 and settings.tp_gather_partition_size == 4
 
 
 def test_every_key_with_its_default_is_accepted():

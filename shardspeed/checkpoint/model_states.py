@@ -131,6 +131,12 @@ class ModelStates(Part):
             self._check_universal(path, state, options.strict)
             return
         if deepspeed_raw(state) is not None:
+            if getattr(state, "moe", None) is not None:
+                raise CheckpointError(
+                    f"{path} is a DeepSpeed checkpoint of a model with MoE layers (num_experts "
+                    f"{state.get('num_experts')}, layer_<L>_expert_<E>_* files): load it into a model with "
+                    "the same MoE layers"
+                )
             if getattr(state, "pipeline_stages", 1) > 1:
                 raise CheckpointError(
                     f"{path} is a DeepSpeed pipeline checkpoint of {state.pipeline_stages} stages (layer files): "
@@ -170,13 +176,10 @@ class ModelStates(Part):
                 f"load_universal: universal checkpoints are not read into a model with {self.name} layers "
                 "(MoE, pipeline); load shardspeed's own checkpoint, which reshards without conversion"
             )
-        if self.tp is not None and self.tp.size > 1:
-            raise CheckpointError(
-                "load_universal: universal checkpoints are not read under tensor parallelism (autotp_size > 1); "
-                "load shardspeed's own checkpoint, which reshards across tensor degrees"
-            )
         self._universal = None
         reader = UniversalFolderReader(path, model_states=state)
+        if self.tp is not None and self.tp.size > 1:  # whole parameters, cut to this tensor rank's shards
+            reader = tp_files.TensorParallelReader.cutting(reader, self.tp)
         self._check_same_model(reader, strict, path)
         self._universal = (path, reader)
 

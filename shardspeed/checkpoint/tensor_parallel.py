@@ -5,7 +5,8 @@ under ZeRO, `zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt`; the model-states
 `mp_world_size` and `tp_partitions` (how each sharded parameter is split: dimension and fused segments).
 
 `TensorParallelReader` presents a checkpoint saved at tensor degree T to an engine at degree T' (1 included,
-or no engine: whole parameters, for consolidation)
+or no engine: whole parameters, for consolidation, and for ds_to_universal; `cutting` presents a universal
+folder's whole parameters to a tensor rank)
 with the interface of `CheckpointReader`: each value (fp32 weight, per-element optimizer state) is merged
 from the T files by its saved partition, then cut to this rank's shard by the model's current partition.
 Resharding through it works for every ZeRO stage the optimizer wrappers can load from.
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.named_values import NamedParameters
 from shardspeed.checkpoint.parts import Part, SaveOptions
 from shardspeed.checkpoint.readers import open_checkpoint
 from shardspeed.checkpoint.universal import CheckpointReader
@@ -32,6 +35,7 @@ __all__ = [
     "open_reader",
     "saved_partitions",
     "translate_shapes",
+    "whole_model_states",
 ]
 
 
@@ -41,6 +45,24 @@ def open_reader(checkpoint_dir, tag=None):
     if isinstance(reader, CheckpointReader) and int(reader._model.get("mp_world_size", 1)) > 1:
         return TensorParallelReader(reader.path, reader._model, None)
     return reader
+
+
+def whole_model_states(state: dict) -> dict:
+    """A tensor-parallel model-states file as one describing the whole parameters (what ds_to_universal writes
+    beside the merged values): full shapes, one model-parallel file, no partitions. The AutoTP layout stays in
+    `universal_checkpoint_info` for DeepSpeed's loader."""
+    if not isinstance(state.get("param_shapes"), dict) or "tp_partitions" not in state:
+        raise CheckpointError(
+            f"ds_to_universal: a tensor-parallel checkpoint (mp_world_size {state.get('mp_world_size')}) without "
+            "shardspeed's recorded tp_partitions (DeepSpeed's own AutoTP files) cannot be merged into whole values"
+        )
+    saved = saved_partitions(state)
+    whole = {k: v for k, v in state.items() if k not in ("tp_partitions", "mp_rank")}
+    whole["param_shapes"] = {
+        n: torch.Size(_full_shape(tuple(s), saved.get(n))) for n, s in state["param_shapes"].items()
+    }
+    whole["mp_world_size"] = 1
+    return whole
 
 
 def mp_rank(tp) -> int:
@@ -61,7 +83,7 @@ class TensorParallelState(Part):
     model-states files (the pipeline engine writes one per stage)."""
 
     name = "tensor_parallel"
-    keys = ("mp_world_size", "mp_rank", "tp_partitions")
+    keys = ("mp_world_size", "mp_rank", "tp_partitions", "universal_checkpoint_info")
     optional = True
 
     def __init__(self, tp, files: int | None = None):
@@ -69,11 +91,15 @@ class TensorParallelState(Part):
         self.files = files
 
     def state_dict(self, options: SaveOptions) -> dict:
-        return {
+        state = {
             "mp_world_size": self.files if self.files is not None else mp_world_size(self.tp),
             "mp_rank": mp_rank(self.tp),
             "tp_partitions": {n: p.as_dict() for n, p in _current_partitions(self.tp).items()},
         }
+        info = getattr(self.tp, "universal_info", None)
+        if info is not None:  # DeepSpeed's engine writes the AutoTP layout for ds_to_universal
+            state["universal_checkpoint_info"] = info
+        return state
 
 
 def saved_partitions(state: dict) -> dict[str, TPPartition]:
@@ -112,8 +138,9 @@ def needs_tp_reshard(state: dict, tp) -> bool:
     return int(state.get("mp_world_size", 1)) != mp_world_size(tp)
 
 
-class TensorParallelReader:
-    """A checkpoint of tensor degree T read by name in the tensor layout `tp` (see module docstring)."""
+class TensorParallelReader(NamedParameters):
+    """A checkpoint of tensor degree T read by name in the tensor layout `tp` (see module docstring).
+    `param_names` (NamedParameters) lists them, so ds_to_universal converts it like any checkpoint."""
 
     def __init__(self, path, model_states: dict, tp=None):
         self.saved_tp = int(model_states.get("mp_world_size", 1))
@@ -124,6 +151,18 @@ class TensorParallelReader:
         self.current = _current_partitions(tp)
         self.rank = mp_rank(tp)
         self._shapes = translate_shapes(model_states, tp)
+
+    @classmethod
+    def cutting(cls, reader, tp) -> TensorParallelReader:
+        """`reader`'s whole parameters (a universal folder's) presented as tensor rank `tp.rank`'s shards."""
+        self = cls.__new__(cls)
+        self.saved_tp, self.readers, self.saved = 1, [reader], {}
+        self.path, self.zero_stage, self.world_size = reader.path, reader.zero_stage, reader.world_size
+        self.current, self.rank = _current_partitions(tp), mp_rank(tp)
+        self._shapes = {
+            n: _local_shape(tuple(s), self.current.get(n)) for n, s in reader.param_shapes().items()
+        }
+        return self
 
     # -- the CheckpointReader interface the loaders use ---------------------------------------------------
 

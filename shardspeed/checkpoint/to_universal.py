@@ -33,9 +33,10 @@ from shardspeed.checkpoint import universal_folder as layout
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.version import __version__
 
-__all__ = ["command", "main", "parse_arguments", "write_universal"]
+__all__ = ["command", "main", "parse_arguments", "validate_autotp_conversion_support", "write_universal"]
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS = "autotp_unsupported_parameter_patterns"
 UNIVERSAL_CHECKPOINT_VERSION = {"universal_checkpoint_version": 0.4}  # what DeepSpeed 0.19.8's tool injects
 # The `ds_version` of the optimizer state written: the DeepSpeed format it follows (DeepSpeed's loader
 # checks it against the versions whose ZeRO-1 layout it reads).
@@ -89,6 +90,10 @@ def main(args=None) -> int:
     print(f"Converting checkpoint {source} to a universal checkpoint in {output}")
     reader = _open_source(source)
     model_states = layout.read_record_file(layout.model_states_file(reader.path))
+    if int(model_states.get("mp_world_size", 1)) > 1:  # AutoTP shards, merged by the reader: whole values
+        from shardspeed.checkpoint.tensor_parallel import whole_model_states
+
+        model_states = whole_model_states(model_states)
     write_universal(
         reader,
         model_states,
@@ -111,10 +116,22 @@ def command() -> int:
         return 1
 
 
+def validate_autotp_conversion_support(universal_info: dict) -> None:
+    """Refuse a checkpoint whose `universal_checkpoint_info` lists AutoTP layouts that cannot be merged
+    (`autotp_unsupported_parameter_patterns`: pattern -> reason, written by DeepSpeed for interleaved fused
+    layouts), naming each; merging them by concatenation would write wrong whole weights. (DeepSpeed's
+    `_validate_autotp_conversion_support`; shardspeed's own AutoTP makes no such layout.)"""
+    unsupported = (universal_info or {}).get(AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS) or {}
+    if unsupported:
+        listed = "; ".join(f"{pattern}: {reason}" for pattern, reason in sorted(unsupported.items()))
+        raise ValueError(f"ds_to_universal: the checkpoint's AutoTP layout cannot be converted ({listed})")
+
+
 def write_universal(reader, model_states: dict, output: Path, *, inject_missing_state: bool = False,
                     extract_workers: int = 4, merge_workers: int = 2, strict: bool = True) -> None:  # fmt: skip
     """Write `reader`'s checkpoint (CheckpointReader's interface) as a universal folder at `output`, with
     `model_states` (the source's model-states file) kept beside, and point `latest_universal` at it."""
+    validate_autotp_conversion_support(model_states.get(UNIVERSAL_CHECKPOINT_INFO))
     if UNIVERSAL_CHECKPOINT_INFO not in model_states and not inject_missing_state:
         raise CheckpointError(
             f"{reader.path} has no '{UNIVERSAL_CHECKPOINT_INFO}' (engines do not write it; Megatron-DeepSpeed "

@@ -4,7 +4,9 @@ DeepSpeed code often imports far more than it uses (a test file imports the auto
 training script imports `DeepSpeedTransformerLayer` behind a flag). So a name we do not offer still
 imports: it resolves to a stand-in class, and constructing or calling it raises `NotOfferedError`, which
 says which DeepSpeed name it was and why shardspeed has no counterpart. No object is ever an instance of a
-stand-in, so `isinstance` checks against one answer False, as they should.
+stand-in, so `isinstance` checks against one answer False, as they should. A stand-in for an exception class
+(a name ending in Error or Exception) is an exception class, so `except` clauses and `pytest.raises` naming it
+stay valid: nothing ever raises it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class NotOffered:
 
     def __repr__(self) -> str:
         return f"NotOffered({self.reason!r}, module={self.module})"
+
+
+# DeepSpeed exception classes whose names do not end in Error or Exception
+_EXCEPTIONS_NAMED_OTHERWISE = frozenset({"ElasticityIncompatibleWorldSize"})
 
 
 def _message(deepspeed_path: str, reason: str, package: str = "deepspeed") -> str:
@@ -63,7 +69,10 @@ def not_offered_class(deepspeed_path: str, reason: str, package: str = "deepspee
         "__module__": "shardspeed.compat.not_offered",
         "__qualname__": name,
     }
-    return _StandInMeta(name, (), namespace)
+    bases = (
+        (Exception,) if name.endswith(("Error", "Exception")) or name in _EXCEPTIONS_NAMED_OTHERWISE else ()
+    )
+    return _StandInMeta(name, bases, namespace)
 
 
 class NotOfferedModule(types.ModuleType):

@@ -34,6 +34,11 @@ _AUTOEP_FAMILY = (
     "AutoEP's presets are one registry here: deepspeed.module_inject.auto_ep_presets.registry.PRESET_MODELS "
     "(shardspeed.moe.autoep.presets), one entry per family"
 )
+_ROLLOUT_BACKEND = (
+    "DeepSpeed's continuous-batching decode loop is not built; HybridEngineRollout generates with the engine's "
+    "own generate, one batch per request"
+)
+_ROLLOUT_OPSD = "the on-policy distillation losses (generalized JSD over response tokens) are not built"
 
 PATHS: dict[str, object] = {
     # -- top-level names (`deepspeed.X`) -----------------------------------------------------------------
@@ -62,6 +67,39 @@ PATHS: dict[str, object] = {
     "DeepSpeedInferenceConfig": "shardspeed.config.inference:InferenceConfig",
     "InferenceEngine": "shardspeed.inference.engine:InferenceEngine",
     "tp_model_init": "shardspeed.runtime.tensor_parallel:tp_model_init",
+    # -- AutoTP's layer rules and Hugging Face tp_plans (shardspeed/module_inject) ------------------------------
+    "module_inject.autotp_config.AutoTPPresets": NotOffered(
+        "AutoTP presets are not offered (tensor_parallel.preset_model is refused); AutoTP's built-in names and "
+        "a model's Hugging Face tp_plan place the same layers"
+    ),
+    "module_inject.autotp_config.merge_autotp_configs": NotOffered(
+        "it merges AutoTP presets, which are not offered; give one partition_config"
+    ),
+    "module_inject.tp_plan_converter": "shardspeed.module_inject.tp_plan",
+    "module_inject.auto_tp.AutoTP": "shardspeed.module_inject.autotp_replacer:AutoTP",
+    "module_inject.auto_tp.AutoTPConfig": "shardspeed.module_inject.autotp_config:AutoTPConfig",
+    "module_inject.auto_tp.PartitionType": "shardspeed.module_inject.autotp_config:PartitionType",
+    "module_inject.auto_tp.TPLayerSpec": "shardspeed.module_inject.autotp_config:TPLayerSpec",
+    "runtime.tensor_parallel.config._get_hf_tp_plan": "shardspeed.module_inject.tp_plan:hf_tp_plan",
+    "module_inject.layers.collect_autotp_universal_checkpoint_info": (
+        "shardspeed.module_inject.tp_state:universal_checkpoint_info"
+    ),
+    "checkpoint.ds_to_universal._validate_autotp_conversion_support": (
+        "shardspeed.checkpoint.to_universal:validate_autotp_conversion_support"
+    ),
+    "checkpoint.ds_to_universal._group_per_tp_shapes": NotOffered(
+        "an internal of DeepSpeed's converter (per-rank fragment files); shardspeed's ds_to_universal merges each "
+        "parameter by name in memory"
+    ),
+    "checkpoint.ds_to_universal.merge_tp_slices": NotOffered(
+        "an internal of DeepSpeed's converter (per-rank fragment files); shardspeed's ds_to_universal merges each "
+        "parameter by name in memory"
+    ),
+    "checkpoint.universal_checkpoint": NotOffered(
+        "DeepSpeed's per-parameter universal-checkpoint loading internals; load_universal reads a universal "
+        "folder by name at any world size, ZeRO stage and tensor degree (shardspeed/checkpoint/universal_folder.py)",
+        True,
+    ),
     "OnDevice": "shardspeed.utils.init_on_device:OnDevice",
     "get_accelerator": "shardspeed.accelerator:get_accelerator",
     "logger": "shardspeed.utils.logging:logger",
@@ -98,7 +136,11 @@ PATHS: dict[str, object] = {
         "search's own helpers are shardspeed.autotuning.dicts (all_combinations, get_val_by_key, ...)",
         True,
     ),
-    "elasticity": NotOffered("elastic training (the `elasticity` block) is not built", True),
+    "elasticity": NotOffered(
+        "elastic training was removed in DeepSpeed 0.19 (its wheel has no deepspeed.elasticity, and both refuse "
+        "the `elasticity` block); set the batch sizes directly",
+        True,
+    ),
     "compile": NotOffered(
         "DeepCompile's graph passes are not built; engine.compile() runs torch.compile on the module", True
     ),
@@ -274,9 +316,15 @@ PATHS: dict[str, object] = {
     ),
     "runtime.config.DeepSpeedConfigError": "shardspeed.config.errors:ConfigError",
     "runtime.config.ZeroStageEnum": "shardspeed.compat.mirrors.deepspeed_types:ZeroStageEnum",
-    "runtime.config_utils.DeepSpeedConfigModel": NotOffered(
-        "DeepSpeed's pydantic config base class; shardspeed has one config system of dataclasses (shardspeed.config)"
-    ),
+    # DeepSpeed's pydantic config classes (pydantic imported only when one of them is): DeepSpeedConfigModel is
+    # a base for other people's configs; the fp16/bf16 classes are views of shardspeed's own blocks
+    "runtime.config_utils": "shardspeed.compat.mirrors.config_utils",
+    "runtime.config_utils.DeepSpeedConfigModel": "shardspeed.compat.mirrors.config_model:DeepSpeedConfigModel",
+    "runtime.zero.config.DeepSpeedConfigModel": "shardspeed.compat.mirrors.config_model:DeepSpeedConfigModel",
+    "runtime.zero.config.pp_int": "shardspeed.compat.mirrors.config_utils:pp_int",
+    "runtime.zero.config.get_scalar_param": "shardspeed.compat.mirrors.config_utils:get_scalar_param",
+    "runtime.precision_config.DeepSpeedFP16Config": "shardspeed.compat.mirrors.precision_config:DeepSpeedFP16Config",
+    "runtime.precision_config.DeepSpeedBF16Config": "shardspeed.compat.mirrors.precision_config:DeepSpeedBF16Config",
     "runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine": NotOffered(
         "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only checkpoint files itself"
     ),
@@ -284,6 +332,17 @@ PATHS: dict[str, object] = {
     "runtime.base_optimizer.DeepSpeedOptimizer": "shardspeed.core.optimizer_wrapper:OptimizerWrapper",
     "runtime.base_optimizer.ZeROOptimizer": "shardspeed.zero.optimizer:ZeroOptimizer",
     "runtime.hybrid_engine.DeepSpeedHybridEngine": "shardspeed.runtime.hybrid_engine:HybridEngine",
+    # -- deepspeed.runtime.rollout: the interface RL trainers generate through, and its hybrid-engine backend -----
+    "runtime.rollout": "shardspeed.compat.mirrors.rollout",
+    "runtime.rollout.base": "shardspeed.compat.mirrors.rollout",
+    "runtime.rollout.HybridEngineRollout": "shardspeed.compat.mirrors.rollout_hybrid_engine:HybridEngineRollout",
+    "runtime.rollout.build_rollout": "shardspeed.compat.mirrors.rollout_hybrid_engine:build_rollout",
+    "runtime.rollout.hybrid_engine_rollout": "shardspeed.compat.mirrors.rollout_hybrid_engine",
+    "runtime.rollout.continuous_batching": NotOffered(_ROLLOUT_BACKEND, True),
+    "runtime.rollout.JSDLossOutput": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.ResponseTokenBatch": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.generalized_jsd_loss": NotOffered(_ROLLOUT_OPSD),
+    "runtime.rollout.opsd": NotOffered(_ROLLOUT_OPSD, True),
     # -- deepspeed.runtime.data_pipeline: curriculum learning and random-LTD (shardspeed/data_pipeline) ---------
     "runtime.data_pipeline": "shardspeed.data_pipeline",
     "runtime.data_pipeline.constants": "shardspeed.compat.mirrors.data_pipeline_constants",

@@ -6,6 +6,7 @@ Shared field types (``PositiveInt``, ``DtypeName``, ...) live here too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -69,16 +70,39 @@ class Fp16Config:
     """0 = dynamic loss scaling; > 0 = this static scale. Default 0."""
     initial_scale_power: NonNegInt = 16
     """Dynamic scaling starts at 2**initial_scale_power. Default 16."""
-    loss_scale_window: PositiveInt = 1000
-    """Overflow-free steps before the dynamic scale is doubled. Default 1000."""
+    loss_scale_window: int = 1000
+    """Overflow-free steps before the dynamic scale is doubled; > 0 under dynamic scaling. Default 1000."""
     hysteresis: Annotated[int, Key(ge=1)] = 2
     """Overflows tolerated before the scale is halved. Default 2."""
     consecutive_hysteresis: bool = False
     """Refill the hysteresis budget after every overflow-free step. Default false."""
-    min_loss_scale: PositiveFloat = 1.0
-    """The dynamic scale never goes below this. Default 1."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never goes below this; > 0 under dynamic scaling. Default 1."""
     fp16_master_weights_and_grads: bool = False
     """Keep master weights and grads in fp16 (DeepSpeed: ZeRO-2 + CPU offload only). Default false."""
+
+    @property
+    def dynamic_scaling(self) -> bool:
+        """Whether the loss scale moves: fp16 on and no static ``loss_scale``."""
+        return self.enabled and self.loss_scale == 0
+
+    def validate(self, path: str) -> None:
+        if not math.isfinite(self.loss_scale):
+            raise ConfigError(
+                f"{join(path, 'loss_scale')}: must be a finite number, got {show(self.loss_scale)}"
+            )
+        # The window and the floor only steer the dynamic scale, so (as in DeepSpeed 0.19) they are checked only
+        # when it is on: a static-scale config carrying unused values stays valid. Under dynamic scaling a
+        # window of 0 would divide by zero at the first clean step and a floor of 0 lets the scale collapse.
+        if not self.dynamic_scaling:
+            return
+        for name in ("loss_scale_window", "min_loss_scale"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(
+                    f"{join(path, name)}: must be > 0 under dynamic loss scaling (enabled with loss_scale 0), "
+                    f"got {show(value)}"
+                )
 
 
 @dataclass(kw_only=True)

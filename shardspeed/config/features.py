@@ -224,9 +224,9 @@ class PipelineConfig:
 class HybridEngineConfig:
     """``hybrid_engine``: one engine that trains and generates (RLHF actors; runtime/hybrid_engine.py).
 
-    ``generate`` gathers a ZeRO-3 model once per call and decodes on the inference package's KV-cache path.
-    What DeepSpeed does with its inference kernels and tensor slicing that has no counterpart here is refused
-    by name (see ``validate``)."""
+    ``generate`` gathers a ZeRO-3 model once per call (or, with ``inference_tp_size`` > 1, splits it into
+    tensor-parallel shards) and decodes on the inference package's KV-cache path. What DeepSpeed does with
+    its inference kernels that has no counterpart here is refused by name (see ``validate``)."""
 
     enabled: bool = False
     """``deepspeed.initialize`` returns the hybrid engine (``DeepSpeedHybridEngine``). Default false."""
@@ -234,8 +234,10 @@ class HybridEngineConfig:
     """Tokens one generated sequence may hold, prompt included: the KV cache's length; a longer request is
     refused naming this key. Default 512."""
     inference_tp_size: PositiveInt = 1
-    """Tensor-parallel degree of generation. Only 1: every data-parallel rank generates its own batch with
-    the whole (gathered) model. Default 1."""
+    """Tensor-parallel degree of generation. 1: every data-parallel rank generates its own batch with the
+    whole (gathered) model. Above 1 (ZeRO-3, pinned parameters, a Llama-layout model): groups of this many
+    consecutive ranks each hold their tensor-parallel shard of the layers and decode their prompts together.
+    Default 1."""
     release_inference_cache: bool = False
     """Free the KV cache after every ``generate`` (true), or keep it for the next call of the same batch
     size (false: no re-allocation per rollout). Default false."""
@@ -244,23 +246,17 @@ class HybridEngineConfig:
     gather layer by layer for every token through the model's own ``generate`` (false: the memory of one
     layer at a time, one gather per layer per token). Default true."""
     tp_gather_partition_size: PositiveInt = 8
-    """Layers gathered together while splitting them for ``inference_tp_size`` > 1; only its default, as
-    tensor-parallel generation is not built. Default 8."""
+    """Layers gathered together while splitting them for ``inference_tp_size`` > 1 (fewer: less memory
+    whole at once, more gathers); read only then. Default 8."""
     enable_cuda_graph: bool = False
     """Capture decode steps in CUDA graphs; only false (not built). Default false."""
 
     def validate(self, path: str) -> None:
-        if self.inference_tp_size != 1:
+        if self.tp_gather_partition_size != 8 and self.inference_tp_size == 1:
             raise ConfigError(
-                f"{join(path, 'inference_tp_size')}: {self.inference_tp_size} is not supported by shardspeed "
-                "(tensor-parallel generation inside the hybrid engine is not built: each data-parallel rank "
-                "generates its own batch with the whole model gathered); remove the key or set it 1"
-            )
-        if self.tp_gather_partition_size != 8:
-            raise ConfigError(
-                f"{join(path, 'tp_gather_partition_size')}: {self.tp_gather_partition_size} is not supported "
-                "by shardspeed (DeepSpeed reads it only to split layers for inference_tp_size > 1, which is not "
-                "built); remove the key or set its default 8"
+                f"{join(path, 'tp_gather_partition_size')}: {self.tp_gather_partition_size} has no effect with "
+                "inference_tp_size 1 (it sizes the layer groups split for tensor-parallel generation); set "
+                "inference_tp_size above 1 or remove the key"
             )
         if self.enable_cuda_graph:
             raise ConfigError(

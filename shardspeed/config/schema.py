@@ -27,9 +27,10 @@ from .blocks import (
     SchedulerConfig,
     TorchAutocastConfig,
 )
-from .build import Key
+from .build import Key, show
 from .compression_blocks import CompressionTrainingConfig
 from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
+from .errors import ConfigError
 from .features import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -64,6 +65,15 @@ def _infinity_means_never(value: Any) -> Any:
 
 def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
+
+
+def _allreduce_op(value: Any) -> Any:
+    """``gradient_allreduce_op``, case-folded; an unknown name is refused in DeepSpeed's words ("Invalid
+    gradient_allreduce_op"), which scripts and DeepSpeed's own tests match on."""
+    op = _lower(value)
+    if isinstance(op, str) and op not in ("mean", "sum"):
+        raise ConfigError(f"Invalid gradient_allreduce_op {show(value)}: must be one of 'mean', 'sum'")
+    return op
 
 
 def _upper(value: Any) -> Any:
@@ -129,7 +139,7 @@ class ShardspeedConfig:
     seq_parallel_communication_data_type: DtypeName = "fp32"
     """Dtype of gradient communication under sequence parallelism (sequence_parallel_size > 1), where it
     replaces communication_data_type. Default fp32."""
-    gradient_allreduce_op: Annotated[Literal["mean", "sum"], Key(normalize=_lower)] = "mean"
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], Key(normalize=_allreduce_op)] = "mean"
     """How data-parallel gradients combine: "mean" (averaged over ranks) or "sum" (not allowed at ZeRO
     stage 3). Default "mean"."""
     disable_allgather: bool = False

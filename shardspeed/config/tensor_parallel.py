@@ -32,7 +32,8 @@ class PartitionConfig:
     strict_mode: bool = False
     """DeepSpeed: fail on unmatched linears. shardspeed always fails on unmatched linears inside blocks."""
     layer_specs: list[dict[str, Any]] = field(default_factory=list)
-    """Rules ``{"patterns": [regex], "partition_type": "column"|"row"|"skip", "shape": ...}``, first match wins."""
+    """Rules ``{"patterns": [regex], "partition_type": "column"|"row"|"skip", "shape", "gather_output",
+    "grad_allreduce", "model_types"}``, first match wins (module_inject/autotp_config.py explains each)."""
 
     def validate(self, path: str) -> None:
         try:
@@ -110,6 +111,12 @@ class PartitionRule:
     patterns: tuple[re.Pattern, ...]
     kind: str  # "column" | "row" | "skip"
     segments: tuple[int, ...] | int | None = None  # column: sizes of the fused parts, or their count
+    gather_output: bool = False  # column: every rank receives the whole output (all-gathered)
+    grad_allreduce: bool = False  # skip: the replicated parameters' gradients are summed over the group
+    model_types: tuple[str, ...] | None = None  # lower-case `config.model_type`s this rule applies to
+
+    def applies_to(self, model_type: str | None) -> bool:
+        return self.model_types is None or (model_type is not None and model_type.lower() in self.model_types)
 
 
 def parse_layer_specs(specs, where: str = "layer_specs") -> list[PartitionRule]:
@@ -124,19 +131,35 @@ def parse_layer_specs(specs, where: str = "layer_specs") -> list[PartitionRule]:
         kind = str(spec.get("partition_type", "column")).lower()
         if kind not in ("column", "row", "skip"):
             raise ValueError(f"{key}.partition_type: {kind!r} is not one of 'column', 'row', 'skip'")
-        unknown = set(spec) - {"patterns", "partition_type", "shape", "partition_dim", "model_types"}
+        unknown = set(spec) - {"patterns", "partition_type", "shape", "partition_dim", "model_types",
+                               "gather_output", "grad_allreduce"}  # fmt: skip
         if unknown:
             raise ValueError(f"{key}: unsupported key(s) {sorted(unknown)}")
-        if spec.get("partition_dim") not in (None, 0):
+        natural_dim = {"column": 0, "row": 1}.get(kind)  # output features of a column layer, inputs of a row
+        if spec.get("partition_dim") not in (None, natural_dim):
             raise ValueError(
-                f"{key}.partition_dim: only 0 (the output features of a column layer) is supported"
+                f"{key}.partition_dim: {spec['partition_dim']!r} is not supported; a {kind} layer is split along "
+                f"dim {natural_dim} of its weight"
+                if natural_dim is not None
+                else f"{key}.partition_dim: a skip layer is not split"
+            )
+        gather, grad_sum = bool(spec.get("gather_output", False)), bool(spec.get("grad_allreduce", False))
+        if gather and kind != "column":
+            raise ValueError(f"{key}.gather_output: applies to column layers only, not {kind!r}")
+        if grad_sum and kind != "skip":
+            raise ValueError(f"{key}.grad_allreduce: applies to skip layers only, not {kind!r}")
+        model_types = spec.get("model_types")
+        if model_types is not None:
+            model_types = tuple(
+                str(t).lower() for t in ([model_types] if isinstance(model_types, str) else model_types)
             )
         patterns = spec["patterns"] if isinstance(spec["patterns"], list) else [spec["patterns"]]
         try:
             compiled = tuple(re.compile(p) for p in patterns)
         except re.error as err:
             raise ValueError(f"{key}.patterns: bad regular expression ({err})") from err
-        parsed.append(PartitionRule(compiled, kind, _spec_segments(spec.get("shape"), key)))
+        segments = _spec_segments(spec.get("shape"), key)
+        parsed.append(PartitionRule(compiled, kind, segments, gather, grad_sum, model_types))
     return parsed
 
 

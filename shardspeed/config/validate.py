@@ -56,10 +56,24 @@ def check_gradient_predivide(cfg: ShardspeedConfig) -> None:
 
 
 def check_gradient_allreduce_op(cfg: ShardspeedConfig) -> None:
-    if cfg.gradient_allreduce_op == "sum" and cfg.zero_optimization.stage == 3:
+    if cfg.gradient_allreduce_op != "sum":
+        return
+    if cfg.zero_optimization.stage == 3:
         raise ConfigError(
             "gradient_allreduce_op: 'sum' is not supported with ZeRO stage 3 (zero_optimization.stage 3, as in "
             "DeepSpeed); use 'mean' or a lower stage"
+        )
+    # DeepSpeed refuses these two combinations in these words; shardspeed implements neither feature, which
+    # the message says too, so the user learns both reasons at once
+    if cfg.zero_optimization.zenflow is not None:
+        raise ConfigError(
+            "gradient_allreduce_op: 'sum' is not supported with ZenFlow (zero_optimization.zenflow, as in "
+            "DeepSpeed), and ZenFlow itself is not implemented by shardspeed; remove zero_optimization.zenflow"
+        )
+    if cfg.compile.deepcompile:
+        raise ConfigError(
+            "gradient_allreduce_op: 'sum' is not supported with DeepCompile (compile.deepcompile, as in "
+            "DeepSpeed), and DeepCompile itself is not implemented by shardspeed; remove compile.deepcompile"
         )
 
 

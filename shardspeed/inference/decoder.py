@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .fusion import fuse_linears, fused_copy
+from .fusion import FusedLinear, fuse_linears, fused_copy
 from .kv_cache import StaticKVCache
 
-__all__ = ["FastDecoder", "ModelDecoder", "make_decoder"]
+__all__ = ["FastDecoder", "LayerParts", "ModelDecoder", "make_decoder"]
 
 # RoPE variants whose cos/sin depend on the position only (not on the sequence length seen so far).
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -54,28 +56,49 @@ def _signed(sin):
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _rms_norm(module):
-    """A fused equivalent of a Hugging Face RMSNorm module (normalise in fp32, cast, scale), else the module."""
-    eps, weight = getattr(module, "variance_epsilon", None), getattr(module, "weight", None)
-    if not type(module).__name__.endswith("RMSNorm") or eps is None or weight is None:
+def _rms_norm(module, weight: torch.Tensor | None = None):
+    """A fused equivalent of a Hugging Face RMSNorm module (normalise in fp32, cast, scale), else the module.
+
+    ``weight``: scale by this tensor (a copy of the module's, made while it was whole: tensor-parallel
+    rollouts, whose modules are released under ZeRO-3) instead of reading ``module.weight`` at each call.
+    """
+    eps, own = getattr(module, "variance_epsilon", None), getattr(module, "weight", None)
+    if not type(module).__name__.endswith("RMSNorm") or eps is None or own is None:
         return module
+    scale = (lambda: module.weight) if weight is None else (lambda: weight)
 
     def scaled_inside(x):
         # one op: the weight is applied inside the fused kernel (equal where x is already fp32)
-        return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), scale(), eps)
 
     def scaled_after(x):
-        return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return scale() * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
     # Only where it gives the module's own numbers, bit for bit (a model's RMSNorm may differ: 1 + weight,
     # a 16-bit cast before scaling, ...); the first form that does is used
     with torch.no_grad():
-        probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+        probe = torch.randn(3, own.shape[-1], generator=torch.Generator().manual_seed(0)).to(own)
         want = module(probe)
         for norm in (scaled_inside, scaled_after):
             if torch.equal(norm(probe), want):
                 return norm
         return module
+
+
+@dataclass
+class LayerParts:
+    """One decoder layer's weights held by the decoder itself rather than read from the model's modules
+    (tp_rollout.py: this rank's tensor-parallel shards, made while the layer was gathered). Each is a
+    callable on the hidden states; ``qkv`` and ``gate_up`` are ``FusedLinear``s over this rank's heads and
+    columns, ``o_proj`` and ``down_proj`` sum their partial products over the tensor group."""
+
+    qkv: FusedLinear
+    o_proj: Callable
+    gate_up: FusedLinear
+    down_proj: Callable
+    act_fn: Callable
+    input_norm: Callable
+    post_norm: Callable
 
 
 def _attention(q, k, v, mask, scale):
@@ -111,11 +134,14 @@ class FastDecoder:
             return False
         return hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
 
-    def __init__(self, model, fuse: bool = True, fuse_copies: bool = False):
+    def __init__(
+        self, model, fuse: bool = True, fuse_copies: bool = False, parts: list[LayerParts] | None = None
+    ):
         """``fuse=False`` leaves the model's parameters as they are (a training model's, which an optimizer
         and ZeRO hold by identity): q/k/v and gate/up then run as separate matmuls, each reading its weight
         at the call; with ``fuse_copies`` they run fused from copies of the weights made now, which live as
-        long as this decoder (the hybrid engine builds one per ``generate`` call)."""
+        long as this decoder (the hybrid engine builds one per ``generate`` call). ``parts``: every layer's
+        weights made elsewhere (``LayerParts``); the layers' own modules are then never called."""
         self.model = model
         inner = model.model
         self.embed = inner.embed_tokens
@@ -127,10 +153,22 @@ class FastDecoder:
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
+        self.cache: StaticKVCache | None = None
+        self.keep_cache = False  # True: release() keeps the cache for the next prefill of the same shape
+        self._positions: torch.Tensor | None = None
+        self.final_norm = _rms_norm(self.norm)
+        self.head = _direct(self.lm_head)
+        self._rope_table: tuple | None = None  # (dtype, device, cos, sin, signed sin), each [max_len, dim]
+        if parts is not None:
+            self._take_parts(parts)
+        else:
+            self._read_layers(fuse_linears if fuse else fused_copy if fuse_copies else None)
+        self.joint_rope = all(f is not None for f in self.qkv) and self._joint_rope_matches()
+
+    def _read_layers(self, fusing) -> None:
         # Local (per-rank) head counts come from the weights, so a tensor-parallel split is picked up.
-        self.kv_heads = attn.k_proj.weight.shape[0] // self.head_dim
+        self.kv_heads = self.layers[0].self_attn.k_proj.weight.shape[0] // self.head_dim
         # Per layer: q/k/v in one matmul and gate/up in one where the modules allow it (fusion.py).
-        fusing = fuse_linears if fuse else fused_copy if fuse_copies else None
         self.qkv = [
             fusing([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
             if fusing
@@ -143,18 +181,21 @@ class FastDecoder:
             else None
             for layer in self.layers
         ]
-        self.cache: StaticKVCache | None = None
-        self.keep_cache = False  # True: release() keeps the cache for the next prefill of the same shape
-        self._positions: torch.Tensor | None = None
         self.input_norms = [_rms_norm(layer.input_layernorm) for layer in self.layers]
         self.post_norms = [_rms_norm(layer.post_attention_layernorm) for layer in self.layers]
-        self.final_norm = _rms_norm(self.norm)
         self.o_proj = [_direct(layer.self_attn.o_proj) for layer in self.layers]
         self.down_proj = [_direct(getattr(layer.mlp, "down_proj", None)) for layer in self.layers]
         self.act_fn = [_direct(getattr(layer.mlp, "act_fn", None)) for layer in self.layers]
-        self.head = _direct(self.lm_head)
-        self._rope_table: tuple | None = None  # (dtype, device, cos, sin, signed sin), each [max_len, dim]
-        self.joint_rope = all(f is not None for f in self.qkv) and self._joint_rope_matches()
+
+    def _take_parts(self, parts: list[LayerParts]) -> None:
+        self.kv_heads = parts[0].qkv.sizes[1] // self.head_dim
+        self.qkv = [p.qkv for p in parts]
+        self.gate_up = [p.gate_up for p in parts]
+        self.input_norms = [p.input_norm for p in parts]
+        self.post_norms = [p.post_norm for p in parts]
+        self.o_proj = [p.o_proj for p in parts]
+        self.down_proj = [p.down_proj for p in parts]
+        self.act_fn = [p.act_fn for p in parts]
 
     @property
     def dtype(self):

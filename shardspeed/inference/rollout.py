@@ -14,12 +14,15 @@
   (about two thirds of a Llama layer's) and nothing survives it; the next call copies the weights as they
   are then, so generation after an optimizer step sees the updated model. Separate matmuls would cost
   each decode step three launches where one does (the unsharded fast path fuses the same way).
+* LoRA linears (DeepSpeed-Chat's ``LinearLayer_LoRA`` layout) run fused for the call, from fused copies of
+  their weights (lora.py): one matmul per linear, the base weights never written.
 * The KV cache is sized by ``max_out_tokens`` (prompt and new tokens, DeepSpeed's meaning) and, unless
   ``release_inference_cache``, kept for the next call of the same batch size instead of re-allocated.
 
 ``per_layer`` (ZeRO-3 with ``pin_parameters`` false) gives up the single gather for memory: the model's own
 ``generate`` runs with the ZeRO-3 hooks on, gathering one layer at a time for every token, as DeepSpeed does
-without pinned parameters. Arguments our loop does not implement (beam search, logits processors, ...) go to
+without pinned parameters (LoRA linears then run their own, unfused forward: their weights are whole only
+inside it). Arguments our loop does not implement (beam search, logits processors, ...) go to
 the model's own ``generate``, inside the same single gather, so the answer is always the model's.
 """
 
@@ -37,6 +40,8 @@ from torch import nn
 
 from .decoder import FastDecoder, ModelDecoder
 from .generation import GenerationSettings, generate_tokens
+from .lora import fused_lora
+from .tp_rollout import TensorParallelSplit
 
 __all__ = ["RolloutGenerator"]
 
@@ -55,6 +60,7 @@ class RolloutGenerator:
         model_generate: Callable | None,
         gathered: Callable[[], AbstractContextManager] = contextlib.nullcontext,
         per_layer: bool = False,
+        tensor_parallel: TensorParallelSplit | None = None,
     ):
         self.module = module
         self.max_out_tokens = max_out_tokens
@@ -62,10 +68,17 @@ class RolloutGenerator:
         self.model_generate = model_generate  # the model's own generate, bound (before anyone replaced it)
         self.gathered = gathered
         self.per_layer = per_layer
+        self.tensor_parallel = (
+            tensor_parallel  # inference_tp_size > 1: decode on this rank's shards (tp_rollout.py)
+        )
         self.cache = None  # the StaticKVCache kept between calls (release_cache false, fast path only)
         self.calls = 0
         self.last_gather_seconds = 0.0  # making the weights whole (DeepSpeed's "Gather latency")
         self.last_generate_seconds = 0.0  # prefill and decode, after the gather
+        self.last_lora_fused = 0  # LoRA linears run fused during the last call (lora.py)
+        # Bytes of weights the last call's decode held on this rank: "whole" (model parameters read whole),
+        # "shards" (tensor-parallel shards), "copies" (fused or whole copies the decoder made)
+        self.weight_bytes: dict[str, int] = {}
 
     def generate(self, inputs=None, **kwargs):
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
@@ -81,14 +94,17 @@ class RolloutGenerator:
             result = self._model_generate(input_ids, kwargs)
             self.last_generate_seconds = time.perf_counter() - start
             return result
-        with self.gathered():
+        if self.tensor_parallel is not None:
+            return self._generate_tensor_parallel(input_ids, kwargs, settings, start)
+        with self.gathered(), fused_lora(self.module) as fused:
             gathered_at = time.perf_counter()
             self.last_gather_seconds = gathered_at - start
-            result = self._generate_gathered(input_ids, kwargs, settings)
+            self.last_lora_fused = len(fused)
+            result = self._generate_gathered(input_ids, kwargs, settings, fused)
         self.last_generate_seconds = time.perf_counter() - gathered_at
         return result
 
-    def _generate_gathered(self, input_ids, kwargs: dict, settings: GenerationSettings):
+    def _generate_gathered(self, input_ids, kwargs: dict, settings: GenerationSettings, lora_copies=()):
         # Decoding with the weights whole runs no collective, so ranks need nothing to stay in step:
         # `synced_gpus` (DeepSpeed-Chat passes it under ZeRO-3) is already what happens.
         synced = kwargs.pop("synced_gpus", None)
@@ -108,6 +124,11 @@ class RolloutGenerator:
             if bool(mask.all()):  # unpadded: the prompt's attention takes the causal kernel
                 mask = None
         decoder = self._decoder()
+        self.weight_bytes = {
+            "whole": _nbytes(self.module.parameters()),
+            "shards": 0,
+            "copies": _copies(decoder) + _nbytes(lora_copies),  # fused q/k/v, gate/up; fused LoRA weights
+        }
         try:
             tokens = generate_tokens(decoder, input_ids, mask, settings, self.max_out_tokens)
             # a copy made outside inference mode: rollouts are trained on next (an inference tensor cannot be
@@ -115,6 +136,35 @@ class RolloutGenerator:
             return tokens.clone()
         finally:
             self._keep_or_release(decoder)
+
+    def _generate_tensor_parallel(self, input_ids, kwargs: dict, settings: GenerationSettings, start: float):
+        kwargs.pop("synced_gpus", None)  # the group's ranks decode in step by construction
+        unhandled = GenerationSettings.unhandled(self.module, kwargs)
+        if unhandled:
+            raise ValueError(
+                f"generate: {unhandled} not handled by the decode loop, which hybrid_engine.inference_tp_size > 1 "
+                "needs (the model's own generate would need the whole model); set inference_tp_size 1 for them"
+            )
+        split, batch = self.tensor_parallel, input_ids.shape[0]
+        device = next(self.module.parameters()).device
+        mask = kwargs.get("attention_mask")
+        with split.split() as parts:
+            gathered_at = time.perf_counter()
+            self.last_gather_seconds = gathered_at - start
+            ids, mask = split.gather_inputs(
+                input_ids.to(device), mask.to(device) if mask is not None else None
+            )
+            decoder = FastDecoder(self.module, parts=parts)
+            decoder.cache, decoder.keep_cache = self.cache, not self.release_cache
+            try:
+                tokens = generate_tokens(
+                    decoder, ids, None if bool(mask.all()) else mask, settings, self.max_out_tokens
+                )
+            finally:
+                self._keep_or_release(decoder)
+        self.weight_bytes = {k: split.held[k] for k in ("whole", "shards", "copies")}
+        self.last_generate_seconds = time.perf_counter() - gathered_at
+        return split.own_rows(tokens, batch).clone()
 
     def _decoder(self):
         """A decoder over the module as it is now (built per call: cheap, and never stale after a step)."""
@@ -147,3 +197,15 @@ class RolloutGenerator:
     def release(self) -> None:
         """Drop the kept KV cache (the engine's destroy())."""
         self.cache = None
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values() if t is not None)
+
+
+def _copies(decoder) -> int:
+    """Bytes of the fused weight copies a ``FastDecoder`` made for the call (none for ``ModelDecoder``)."""
+    fused = [
+        f for f in getattr(decoder, "qkv", []) + getattr(decoder, "gate_up", []) if f is not None and f.copy
+    ]
+    return _nbytes([t for f in fused for t in (f.weight, f.bias)])

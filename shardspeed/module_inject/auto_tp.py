@@ -14,8 +14,16 @@ Names follow LLaMA/Mistral/Qwen2 (`q_proj`...`down_proj`), GPT-2 (`c_attn`, `c_p
 `layer_specs` (DeepSpeed's `tensor_parallel.partition_config.layer_specs`: `{"patterns": [regex],
 "partition_type": "column"|"row"|"skip", "shape": ...}`) are tried first and override the names.
 
+A spec's `gather_output` makes a column layer all-gather its output (every rank gets all features: an
+untied LM head); its `grad_allreduce` makes a skipped layer's parameters sum their gradients over the tensor
+group (a norm over sharded heads sees only this rank's heads). A column spec on a linear whose weight is
+tied to another module (an LM head sharing the embedding's weight) keeps it whole: sharding one side of a
+tie would untie it.
+
 A linear inside a block (a name with a numeric index, as `layers.3.mlp.gate`) that matches no rule is an
-error naming it — replicating it silently could make a row layer's input half of what it expects. Heads:
+error naming it — replicating it silently could make a row layer's input half of what it expects — unless
+the rules are the model's own complete plan (`replicate_unmatched=True`, a Hugging Face tp_plan), which
+leaves out on purpose what it does not name. Heads:
 the attention module that owns sharded q/k/v has its head-count attributes (`num_heads`, `n_head`,
 `num_key_value_heads`, `split_size`, ...) divided by the tensor size, after checking they divide.
 
@@ -31,7 +39,7 @@ from torch import nn
 
 from shardspeed.config.tensor_parallel import PartitionRule, parse_layer_specs
 from shardspeed.module_inject.layers import LinearAllreduce, LinearLayer, TPPartition
-from shardspeed.module_inject.tp_comm import SharedInputCopy, group_size
+from shardspeed.module_inject.tp_comm import SharedInputCopy, group_size, sum_gradient_over_group
 from shardspeed.module_inject.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
 __all__ = ["TPReport", "shard_model"]
@@ -59,6 +67,8 @@ class TPReport:
     row: list[str] = field(default_factory=list)
     replicated: list[str] = field(default_factory=list)  # linears left whole (outside blocks, or "skip")
     vocab_parallel: list[str] = field(default_factory=list)
+    gathered: list[str] = field(default_factory=list)  # column layers whose output is all-gathered
+    grad_summed: list[str] = field(default_factory=list)  # replicated layers whose gradients are summed
     heads_divided: dict[str, dict[str, int]] = field(default_factory=dict)  # module -> {attr: local value}
 
     def summary(self) -> str:
@@ -99,11 +109,23 @@ def _default_kind(name: str) -> tuple[str, str | None] | None:
     return None
 
 
-def _spec_for(name: str, specs: list[PartitionRule]) -> PartitionRule | None:
+def _spec_for(name: str, specs: list[PartitionRule], model_type: str | None = None) -> PartitionRule | None:
     for spec in specs:
-        if any(p.match(name) or p.match(name + ".weight") for p in spec.patterns):
+        if spec.applies_to(model_type) and any(
+            p.match(name) or p.match(name + ".weight") for p in spec.patterns
+        ):
             return spec
     return None
+
+
+def _tied_weights(model: nn.Module) -> set[int]:
+    """ids of the weights that more than one module holds (tied input/output embeddings)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders[id(weight)] = holders.get(id(weight), 0) + 1
+    return {key for key, count in holders.items() if count > 1}
 
 
 def _attr(module: nn.Module, names) -> tuple[str, int] | None:
@@ -115,8 +137,11 @@ def _attr(module: nn.Module, names) -> tuple[str, int] | None:
 
 
 class _Sharder:
-    def __init__(self, model: nn.Module, group, specs: list[PartitionRule], use_defaults: bool):
+    def __init__(self, model: nn.Module, group, specs: list[PartitionRule], use_defaults: bool,
+                 replicate_unmatched: bool = False):  # fmt: skip
         self.model, self.group, self.specs, self.use_defaults = model, group, specs, use_defaults
+        self.replicate_unmatched = replicate_unmatched
+        self.model_type = getattr(getattr(model, "config", None), "model_type", None)
         self.tp = group_size(group)
         self.rank = dist.get_rank(group) if self.tp > 1 else 0
         self.report = TPReport(self.tp)
@@ -125,10 +150,14 @@ class _Sharder:
 
     def plan(self) -> dict[str, tuple[str, str | None, PartitionRule | None]]:
         plan, unplaced = {}, []
+        tied = _tied_weights(self.model)
         for name, module in self.modules.items():
             if not _is_linear(module):
                 continue
-            spec = _spec_for(name, self.specs)
+            spec = _spec_for(name, self.specs, self.model_type)
+            if spec is not None and spec.kind != "skip" and id(module.weight) in tied:
+                plan[name] = ("skip", None, None)  # sharding one side of a tie would untie it: keep it whole
+                continue
             if spec is not None:  # the name's fused kind still applies (heads checked and divided)
                 default = _default_kind(name)
                 plan[name] = (spec.kind, default[1] if default and default[0] == spec.kind else None, spec)
@@ -136,7 +165,7 @@ class _Sharder:
             kind = _default_kind(name) if self.use_defaults and _in_block(name) else None
             if kind is not None:
                 plan[name] = (*kind, None)
-            elif _in_block(name):
+            elif _in_block(name) and not self.replicate_unmatched:
                 unplaced.append(name)
             else:
                 plan[name] = ("skip", None, None)
@@ -203,6 +232,13 @@ class _Sharder:
             self.report.column.append(name)
             layer = LinearLayer.from_module(module, self.group, self.rank, segments, transposed)
             layer.input_copy = self.input_copy
+            if spec is not None and spec.gather_output:
+                if len(segments) > 1:
+                    raise ValueError(
+                        f"{name}: gather_output cannot gather a fused layer ({len(segments)} parts)"
+                    )
+                layer.gather_output = True
+                self.report.gathered.append(name)
             return layer
         in_dim = 0 if transposed else 1
         TPPartition(in_dim, (module.weight.shape[in_dim],), self.tp).check(
@@ -235,16 +271,17 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def shard_model(model: nn.Module, tp_group, *, layer_specs=None, vocab_parallel: bool = False,
-                use_default_specs: bool = True) -> TPReport:  # fmt: skip
+                use_default_specs: bool = True, replicate_unmatched: bool = False) -> TPReport:  # fmt: skip
     """Shard `model` in place for this rank's position in `tp_group`; returns what went where.
 
     `tp_group` of size 1 (or None) changes nothing. `layer_specs` is DeepSpeed's list of
-    `{"patterns", "partition_type", "shape"}` dicts (tried before the built-in names);
+    `{"patterns", "partition_type", "shape", ...}` dicts or `TPLayerSpec`s (tried before the built-in names);
+    `replicate_unmatched=True` keeps linears no rule places whole instead of refusing them;
     `vocab_parallel=True` also splits the token embedding and the LM head over the vocabulary (the model
     must then compute its loss with `vocab_parallel_cross_entropy`).
     """
-    specs = parse_layer_specs(layer_specs)
-    sharder = _Sharder(model, tp_group, specs, use_default_specs)
+    specs = parse_layer_specs([s.as_dict() if hasattr(s, "as_dict") else s for s in layer_specs or []])
+    sharder = _Sharder(model, tp_group, specs, use_default_specs, replicate_unmatched)
     if sharder.tp == 1:
         return sharder.report
     plan = sharder.plan()
@@ -252,9 +289,9 @@ def shard_model(model: nn.Module, tp_group, *, layer_specs=None, vocab_parallel:
     for name, (kind, fused, spec) in plan.items():
         module = sharder.modules[name]
         leaf = name.rpartition(".")[2]
+        if vocab_parallel and leaf in LM_HEAD_NAMES and not _in_block(name) and not _is_conv1d(module):
+            continue  # split over the vocabulary with the embedding below (whatever a column rule says)
         if kind == "skip":
-            if vocab_parallel and leaf in LM_HEAD_NAMES and not _is_conv1d(module):
-                continue  # handled with the embedding below
             sharder.report.replicated.append(name)
             continue
         layer = sharder.shard_linear(name, module, kind, fused, spec)
@@ -263,16 +300,28 @@ def shard_model(model: nn.Module, tp_group, *, layer_specs=None, vocab_parallel:
         if kind == "column" and (fused == "qkv" or leaf in Q_NAMES | KV_NAMES | FUSED_QKV_NAMES):
             attention_parents.add(name.rpartition(".")[0])
     sharder.divide_heads(attention_parents)
+    _sum_replicated_gradients(model, sharder)
     if vocab_parallel:
         _shard_vocabulary(model, sharder)
     return sharder.report
+
+
+def _sum_replicated_gradients(model: nn.Module, sharder: _Sharder) -> None:
+    """Parameters (of any module: a norm too) that a `grad_allreduce` rule names sum their gradients."""
+    rules = [spec for spec in sharder.specs if spec.grad_allreduce and spec.applies_to(sharder.model_type)]
+    if not rules:
+        return
+    for name, param in model.named_parameters():
+        if any(p.match(name) for spec in rules for p in spec.patterns):
+            sum_gradient_over_group(param, sharder.group)
+            sharder.report.grad_summed.append(name)
 
 
 def _shard_vocabulary(model: nn.Module, sharder: _Sharder) -> None:
     heads = [
         (n, m)
         for n, m in sharder.modules.items()
-        if n.rpartition(".")[2] in LM_HEAD_NAMES and isinstance(m, nn.Linear)
+        if n.rpartition(".")[2] in LM_HEAD_NAMES and isinstance(m, nn.Linear) and not _in_block(n)
     ]
     if len(heads) != 1:
         raise ValueError(

@@ -8,6 +8,10 @@ Megatron's pair, named for what they do forward and backward:
 - `reduce_from_tensor_parallel(x, group)`: all-reduce (sum) forward, identity backward. Placed after a
   row-parallel layer: each rank holds a partial product over its slice of the input features.
 
+- `gather_from_tensor_parallel(x, group)`: all-gather along the last dimension forward, this rank's slice
+  of the gradient backward. After a column-parallel layer whose output every rank needs whole (an untied
+  LM head with `gather_output`); the slice is exact because every rank holds the same whole gradient.
+
 One tensor-parallel block (column layer, then row layer) therefore costs one all-reduce forward and one
 backward. A group of size 1 (or None) makes both functions the identity with no collective.
 """
@@ -19,7 +23,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["SharedInputCopy", "copy_to_tensor_parallel", "group_size", "reduce_from_tensor_parallel"]
+__all__ = [
+    "SharedInputCopy",
+    "copy_to_tensor_parallel",
+    "gather_from_tensor_parallel",
+    "group_size",
+    "reduce_from_tensor_parallel",
+    "sum_gradient_over_group",
+]
 
 
 def group_size(group) -> int:
@@ -52,6 +63,21 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ctx.width = x.shape[-1]
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad.narrow(-1, rank * ctx.width, ctx.width).contiguous(), None
+
+
 def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; gradient all-reduced over `group` backward."""
     if group_size(group) == 1:
@@ -64,6 +90,29 @@ def reduce_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     return _ReduceFromTensorParallel.apply(x, group)
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `x` concatenated along the last dimension; gradient sliced back backward."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromTensorParallel.apply(x, group)
+
+
+def sum_gradient_over_group(param: torch.Tensor, group) -> None:
+    """Make `param`'s gradient the sum over `group` of each rank's contribution (a hook run before the
+    gradient is accumulated): for a parameter kept whole whose input is this rank's shard of the activations.
+    `param._ds_grad_allreduce_registered` says it is done (DeepSpeed's marker)."""
+    if group_size(group) == 1 or getattr(param, "_ds_grad_allreduce_registered", False):
+        return
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    param.register_hook(summed)
+    param._ds_grad_allreduce_registered = True
 
 
 class SharedInputCopy:

@@ -1,4 +1,5 @@
-"""Whole tensors from tensor-parallel shards: gather one, gather a state dict, re-split a full state dict.
+"""Whole tensors from tensor-parallel shards: gather one, gather a state dict, re-split a full state dict;
+and the layout described for universal checkpoints (`universal_checkpoint_info`).
 
 Sharded parameters carry their `TPPartition` (layers.py); everything else is replicated over the tensor
 group and read as is. Gathers are collective over the tensor group (every tensor rank calls, in the same
@@ -7,13 +8,42 @@ parameter order).
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardspeed.module_inject.layers import TPPartition, gather_shards, shard_tensor
+from shardspeed.module_inject.layers import (
+    LinearAllreduce,
+    LinearLayer,
+    TPPartition,
+    gather_shards,
+    shard_tensor,
+)
+from shardspeed.module_inject.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
-__all__ = ["gather_full", "partitions_of", "reshard_state_dict", "tp_full_state_dict"]
+__all__ = [
+    "gather_full",
+    "partitions_of",
+    "reshard_state_dict",
+    "tp_full_state_dict",
+    "universal_checkpoint_info",
+]
+
+# DeepSpeed 0.19.8's universal-checkpoint info keys (checkpoint/constants.py names them too)
+_VERSION, _ROW, _REPLICATED = (
+    "universal_checkpoint_version",
+    "parameter_with_row_parallelism_patterns",
+    ("tp_replicated_parameter_patterns"),
+)
+_VOCAB, _SUB_PARAMS, _VOCAB_SIZE = (
+    "vocabulary_parameter_patterns",
+    "parameter_with_sub_params",
+    "original_vocab_size",
+)
+_UNSUPPORTED = "autotp_unsupported_parameter_patterns"
+_LM_HEAD_NAMES = ("lm_head", "embed_out")
 
 
 def partitions_of(module: nn.Module) -> dict[str, TPPartition]:
@@ -42,3 +72,45 @@ def tp_full_state_dict(module: nn.Module, group, state: dict | None = None) -> d
 def reshard_state_dict(full: dict, parts: dict[str, TPPartition], rank: int) -> dict:
     """This rank's shards of a full state dict (entries without a partition are kept whole)."""
     return {k: shard_tensor(v, parts[k], rank).clone() if k in parts else v for k, v in full.items()}
+
+
+def universal_checkpoint_info(module: nn.Module) -> dict:
+    """DeepSpeed's `universal_checkpoint_info` for an AutoTP-sharded `module` (its engine stores it on the model
+    and in every model-states file), by `^name$` patterns of each parameter's first name:
+
+    - row-parallel: weights of row-parallel layers (merged along their input features);
+    - tp-replicated: parameters AutoTP left whole (norms, embeddings, row-parallel biases);
+    - sub-params: fused column layers (`[q; k; v]`, `[gate; up]`), with each part's full size at the split
+      dimension (`{"patterns", "shape", "partition_dim"}`);
+    - vocabulary: the vocabulary-split embedding / LM head, or a column LM head, with the vocabulary size.
+
+    shardspeed's own loader does not need this (the files record each parameter's `TPPartition`); it is what
+    DeepSpeed's converter and loader read. Every layout AutoTP makes is mergeable, so nothing is unsupported.
+    """
+    first_name = {id(p): n for n, p in module.named_parameters()}
+    info = {_VERSION: 0.4, _ROW: [], _REPLICATED: [], _VOCAB: [], _SUB_PARAMS: [], _UNSUPPORTED: {}}
+    for module_name, owner in module.named_modules():
+        for local, param in owner.named_parameters(recurse=False):
+            name = f"{module_name}.{local}" if module_name else local
+            if first_name.get(id(param)) != name:
+                continue  # a tied alias: the checkpoint knows the parameter by its first name only
+            pattern = rf"^{re.escape(name)}$"
+            part = getattr(param, "tp_partition", None)
+            if part is None:
+                info[_REPLICATED].append(pattern)
+                continue
+            if isinstance(owner, LinearAllreduce) and local == "weight":
+                info[_ROW].append(pattern)
+            if len(part.segments) > 1:
+                shape = list(param.shape)
+                shape[part.dim] = tuple(part.segments)
+                info[_SUB_PARAMS].append({"patterns": [pattern], "shape": shape, "partition_dim": part.dim})
+            is_head = isinstance(owner, LinearLayer) and module_name.rpartition(".")[2] in _LM_HEAD_NAMES
+            if local == "weight" and (
+                isinstance(owner, (VocabParallelEmbedding, VocabParallelLMHead)) or is_head
+            ):
+                info[_VOCAB].append(pattern)
+                info.setdefault(_VOCAB_SIZE, part.segments[0])
+    for key in (_ROW, _REPLICATED, _VOCAB):
+        info[key] = sorted(info[key])
+    return info

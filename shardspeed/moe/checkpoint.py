@@ -29,18 +29,26 @@ import re
 import torch
 
 from shardspeed.checkpoint import files
+from shardspeed.checkpoint.deepspeed_format import deepspeed_raw
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.model_states import ModelStates
 from shardspeed.checkpoint.parts import LoadContext, SaveOptions
+from shardspeed.moe.deepspeed_checkpoint import check_deepspeed_moe, load_deepspeed_moe
+from shardspeed.moe.named_state import expert_entries, is_managed, set_full_state
 from shardspeed.moe.utils import is_moe_param
 from shardspeed.zero.api import (
     GatheredParameters,
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
 )
 
-__all__ = ["MoEModelStates", "expert_file_name", "load_moe", "moe_model_states", "save_moe"]
+__all__ = [
+    "MoEModelStates",
+    "expert_file_name",
+    "load_moe",
+    "moe_model_states",
+    "save_moe",
+]
 
 _LOCAL = re.compile(r"^(?P<prefix>.*\.deepspeed_experts\.)(?P<index>\d+)(?P<rest>\..*)$")
 DENSE_UNIVERSAL = "moe_dense_universal_states.pt"
@@ -81,8 +89,14 @@ class MoEModelStates(ModelStates):
     def write_files(self, staging, options: SaveOptions) -> None:
         save_moe(self, staging)  # expert files, per-rank optimizer state (collective)
 
+    def check(self, path, state: dict, options) -> None:
+        if deepspeed_raw(state) is not None and not options.universal:  # DeepSpeed's expert files
+            check_deepspeed_moe(self, path, state, options.strict)
+            return
+        super().check(path, state, options)
+
     def needs_reshard(self, state: dict, path) -> bool:
-        return state.get("moe_layout") != moe_layout(self)
+        return state.get("moe_layout") != moe_layout(self)  # DeepSpeed's: no moe_layout, always by name
 
     def load_state_dict(self, entries: dict, ctx: LoadContext) -> None:
         ctx.resharded = load_moe(self, ctx.path, ctx.state, ctx.options.strict, ctx.options.optimizer)
@@ -98,22 +112,6 @@ def _refuse_autoep(part) -> None:
             "cannot save or load a checkpoint of a model with AutoEP layers (expert_parallel): AutoEP checkpoints "
             "are not built yet; see docs/compatibility.md (AutoEP)"
         )
-
-
-def _experts(part):
-    """(layer id, global expert id, expert module, {global name: local name}, local name prefix) for this
-    rank's experts, the
-    layer id counting MoE layers in module order (as DeepSpeed numbers them)."""
-    from shardspeed.moe.layer import MoE
-
-    layers = [(prefix, m) for prefix, m in part.module.named_modules() if isinstance(m, MoE)]
-    for layer_id, (prefix, module) in enumerate(layers):
-        ep_rank = part.moe.expert_rank(module.expert_group_name)
-        base = (prefix + "." if prefix else "") + "deepspeed_moe.experts.deepspeed_experts"
-        for local, expert in enumerate(module.deepspeed_moe.experts.deepspeed_experts):
-            global_id = ep_rank * module.num_local_experts + local
-            names = {f"{base}.{global_id}.{n}": f"{base}.{local}.{n}" for n in expert.state_dict()}
-            yield layer_id, global_id, expert, names, f"{base}.{local}."
 
 
 def _is_expert_key(name: str) -> bool:
@@ -172,7 +170,7 @@ def save_moe(part, staging) -> None:
     if part.optimizer is not None:
         partition = {"optimizer_state_dict": part.optimizer.state_dict(), "ds_config": part.ds_config}
         files.save_file(partition, staging / optimizer_file_name(part.placement.dp_rank))
-    experts = list(_experts(part))
+    experts = list(expert_entries(part))
     expert_params = [p for _, _, expert, _, _ in experts for p in expert.parameters()]
     with GatheredParameters(expert_params):  # stage 3: within each expert-data-parallel group
         for layer_id, global_id, expert, names, _ in experts:
@@ -182,7 +180,7 @@ def save_moe(part, staging) -> None:
     if part.optimizer is None:
         return
     dense = {
-        n: _full_state(p) for n, p in part.module.named_parameters() if _managed(p) and not is_moe_param(p)
+        n: _full_state(p) for n, p in part.module.named_parameters() if is_managed(p) and not is_moe_param(p)
     }
     if part.placement.dp_rank == 0:
         files.save_file({"params": dense, "loss_scaler": part.optimizer.scaler.state_dict()},
@@ -190,14 +188,10 @@ def save_moe(part, staging) -> None:
     for layer_id, global_id, expert, names, local_prefix in experts:
         global_of = {local: g for g, local in names.items()}
         entries = {
-            global_of[local_prefix + n]: _full_state(p) for n, p in expert.named_parameters() if _managed(p)
+            global_of[local_prefix + n]: _full_state(p) for n, p in expert.named_parameters() if is_managed(p)
         }
         if _edp_rank(part, expert) == 0:
             files.save_file({"params": entries}, staging / expert_universal_name(layer_id, global_id))
-
-
-def _managed(p) -> bool:
-    return p.requires_grad and getattr(p, "_shardspeed_zero", None) is not None
 
 
 def _edp_rank(part, expert) -> int:
@@ -210,6 +204,9 @@ def _edp_rank(part, expert) -> int:
 
 def load_moe(part, path, state: dict, strict: bool, load_optimizer: bool) -> bool:
     """Load an MoE checkpoint; returns True when it was saved at another layout (rebuilt from names)."""
+    if deepspeed_raw(state) is not None:
+        load_deepspeed_moe(part, path, state, strict, load_optimizer)
+        return True
     if "moe_layout" not in state:
         raise CheckpointError(f"checkpoint {path} was not saved from a model with MoE layers")
     same = state["moe_layout"] == moe_layout(part)
@@ -229,7 +226,7 @@ def load_moe(part, path, state: dict, strict: bool, load_optimizer: bool) -> boo
 def _expert_values(part, path) -> dict:
     """This rank's experts' tensors from their files, under the local names of this model."""
     values = {}
-    for layer_id, global_id, _, names, _ in _experts(part):
+    for layer_id, global_id, _, names, _ in expert_entries(part):
         file = path / expert_file_name(layer_id, global_id)
         if not file.is_file():
             raise CheckpointError(
@@ -275,50 +272,24 @@ def _load_any_layout(part, path, state, strict, load_optimizer) -> None:
         )
     dense = files.load_file(dense_file)
     universal.update(dense["params"])
-    for layer_id, global_id, _, _, _ in _experts(part):
+    for layer_id, global_id, _, _, _ in expert_entries(part):
         file = path / expert_universal_name(layer_id, global_id)
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} has no {file.name}: expert {global_id} of MoE layer {layer_id} "
                                   "is not in it (saved with fewer experts?)")  # fmt: skip
         universal.update(files.load_file(file)["params"])
-    local_to_global = {local: g for _, _, _, names, _ in _experts(part) for g, local in names.items()}
+    local_to_global = {local: g for _, _, _, names, _ in expert_entries(part) for g, local in names.items()}
     named = [(local_to_global.get(n, n), p) for n, p in part.module.named_parameters()]
     # dense first on every rank, then this rank's experts: each group sees its collectives in one order
     ordered = [x for x in named if not is_moe_param(x[1])] + [x for x in named if is_moe_param(x[1])]
     with torch.no_grad():
         for name, p in ordered:
-            if not _managed(p):
+            if not is_managed(p):
                 continue
             if name not in universal:
                 raise CheckpointError(f"checkpoint {path} has no value for parameter {name!r}")
-            _set_full_state(p, universal[name], load_optimizer)
+            set_full_state(p, universal[name], load_optimizer)
     buffers = {k: v for k, v in state["module"].items() if k not in dict(part.module.named_parameters())}
     part.module.load_state_dict(buffers, strict=False)
     if load_optimizer and dense.get("loss_scaler") is not None:
         part.optimizer.scaler.load_state_dict(dense["loss_scaler"])
-
-
-def _set_full_state(param, entry: dict, load_optimizer: bool) -> None:
-    safe_set_full_fp32_param(param, entry["fp32"].to(param.device))
-    if not load_optimizer:
-        return
-    wrapper, index = param._shardspeed_zero
-    if index is None:
-        tensor = wrapper.masters.get(param, param)
-        target = wrapper.optimizer.state.setdefault(tensor, {})
-        for key, value in entry["state"].items():
-            target[key] = value.to(tensor.device).clone() if torch.is_tensor(value) else value
-        return
-    bucket, master = wrapper.buckets[index], wrapper.masters[index]
-    target = wrapper.optimizer.state.setdefault(master, {})
-    position = next(i for i, p in enumerate(bucket.params) if p is param)
-    for key, value in entry["state"].items():
-        if not torch.is_tensor(value) or value.dim() == 0:
-            target[key] = value.clone() if torch.is_tensor(value) else value
-            continue
-        if key not in target or target[key].shape != master.shape:
-            target[key] = torch.zeros_like(master)
-        flat = value.reshape(-1).to(master.device)
-        for i, _, in_param, in_shard, length in bucket.fragments():
-            if i == position:
-                target[key][in_shard : in_shard + length].copy_(flat[in_param : in_param + length])

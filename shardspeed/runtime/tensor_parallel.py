@@ -1,7 +1,9 @@
 """The engine's tensor-parallel part: shards the model at `initialize`, and combines gradient norms.
 
 `TensorParallel.shard(model, grid, config)` makes every tensor rank start from tensor rank 0's full
-weights (one broadcast; meta tensors are skipped), then shards the model with AutoTP.
+weights (one broadcast; meta tensors are skipped), then shards the model with AutoTP: by the config's
+`partition_config` when it has one, else by the model's Hugging Face tp_plan when it has one (module_inject/
+tp_plan.py), else by AutoTP's built-in layer names.
 `attach(optimizer, device)` installs the global-norm hook on the engine's optimizer wrapper.
 `tp_model_init` (DeepSpeed 0.19.8's `deepspeed.tp_model_init`) only records its arguments on the model, as
 in DeepSpeed; `merge_tp_model_init` merges them into the config's `tensor_parallel` block at `initialize`.
@@ -27,7 +29,8 @@ from shardspeed import accelerator
 from shardspeed.config import ConfigError
 from shardspeed.core.layout import tensor_group
 from shardspeed.module_inject.auto_tp import TPReport, shard_model
-from shardspeed.module_inject.tp_state import partitions_of
+from shardspeed.module_inject.tp_plan import TPPlanConverter, hf_tp_plan
+from shardspeed.module_inject.tp_state import partitions_of, universal_checkpoint_info
 from shardspeed.pipe.module import PipelineModule
 from shardspeed.utils.logging import log_dist
 
@@ -91,6 +94,7 @@ class TensorParallel:
         self.replicated = [p for p in model.parameters() if getattr(p, "tp_partition", None) is None]
         self.optimizer = None  # the stage wrapper whose gradient norm this completes (`attach`)
         self.device = None
+        self.universal_info = None  # the layout for universal checkpoints (set by `shard`)
         # parameters handed to initialize before sharding -> their sharded replacements, by name
         current = dict(model.named_parameters(remove_duplicate=False))
         self._replacement = {i: current[n] for i, n in (old_names or {}).items() if n in current}
@@ -103,15 +107,20 @@ class TensorParallel:
         old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         _broadcast_from_first_tensor_rank(model, group)
         partition = block.partition_config
-        report = shard_model(
-            model,
-            group,
-            layer_specs=partition.layer_specs if partition is not None else None,
-            vocab_parallel=bool(block.vocab_parallel_lm_head),
-            use_default_specs=partition.use_default_specs if partition is not None else True,
-        )
+        plan_specs = _hf_plan_specs(model) if partition is None else None
+        if plan_specs is not None:  # the model's own complete layout: what it leaves out stays whole
+            rules = {"layer_specs": plan_specs, "use_default_specs": False, "replicate_unmatched": True}
+        elif partition is not None:
+            rules = {"layer_specs": partition.layer_specs, "use_default_specs": partition.use_default_specs}
+        else:
+            rules = {}
+        report = shard_model(model, group, vocab_parallel=bool(block.vocab_parallel_lm_head), **rules)
         log_dist(report.summary())
-        return cls(group, report, model, old_names)
+        part = cls(group, report, model, old_names)
+        # DeepSpeed keeps the layout on the model (`model.universal_checkpoint_info`) and in its checkpoints
+        part.universal_info = universal_checkpoint_info(model)
+        model.universal_checkpoint_info = part.universal_info
+        return part
 
     def remap(self, model_parameters):
         """`initialize(model_parameters=...)` (tensors or param-group dicts) with sharded parameters."""
@@ -169,6 +178,18 @@ class TensorParallel:
         if dist.get_world_size(wrapper.group) > 1:
             dist.all_reduce(total, group=wrapper.group)
         return total.item()
+
+
+def _hf_plan_specs(model):
+    """A Hugging Face model's tp_plan as layer specs (None: it has none). Used when the config gives no
+    `tensor_parallel.partition_config`, which, when given, wins over the model's plan as in DeepSpeed."""
+    plan = hf_tp_plan(model)
+    specs = TPPlanConverter.convert(plan) if plan else None
+    if specs is not None:
+        log_dist(
+            f"AutoTP: placing layers by the model's Hugging Face tp_plan ({len(specs)} entries)", ranks=[0]
+        )
+    return specs
 
 
 def _check_supported(config) -> None:

@@ -201,3 +201,21 @@ def unwrap_model_for_generation(model):
         coordinator.paused = False
         for unit in units:
             unit.let_go()
+
+
+@contextlib.contextmanager
+def hooks_paused(model):
+    """ZeRO-3's per-module gather/release hooks do nothing inside the block (nothing is gathered by it): the
+    caller gathers what it reads itself (`GatheredParameters`), as the hybrid engine's tensor-parallel
+    generation does layer group by layer group. A no-op below stage 3. `model` as in
+    `unwrap_model_for_generation`."""
+    coordinator = getattr(getattr(model, "optimizer", None), "coordinator", None)
+    if coordinator is None:
+        yield
+        return
+    was = coordinator.paused
+    coordinator.paused = True
+    try:
+        yield
+    finally:
+        coordinator.paused = was

@@ -214,6 +214,8 @@ HONOURED_BY = {
     "hybrid_engine.max_out_tokens": "test_hybrid_engine.py::test_pin_parameters_release_inference_cache_and_max_out_tokens",
     "hybrid_engine.release_inference_cache": "test_hybrid_engine.py::test_pin_parameters_release_inference_cache_and_max_out_tokens",
     "hybrid_engine.pin_parameters": "test_hybrid_engine.py::test_pin_parameters_release_inference_cache_and_max_out_tokens",
+    "hybrid_engine.inference_tp_size": "test_hybrid_engine_tp.py::test_tp2_generates_the_tokens_tp1_generates",
+    "hybrid_engine.tp_gather_partition_size": "test_hybrid_engine_tp.py::test_tp2_holds_half_of_the_layer_weights",
 }
 
 

@@ -11,6 +11,11 @@ tests/test_deepspeed_checkpoint_read.py resumes from each and compares. (fp16 is
 
 `fixtures/pipe-s1-fp32` is the same for pipe_script.py (DeepSpeed's PipelineEngine, 2 ranks as 2 stages, ZeRO
 stage 1, fp32), read by tests/test_deepspeed_pipeline_read.py.
+
+`fixtures/moe-ep<E>-s<S>` are the same for moe_script.py (one `deepspeed.moe.layer.MoE` layer of 2 experts at
+ep size E, ZeRO stage S, fp32, 2 ranks: DeepSpeed's expert and expp_rank files), read by
+tests/test_deepspeed_moe_checkpoint_read.py. Each is made by a process of its own, as DeepSpeed keeps its
+expert groups in module globals (an earlier run's larger ep group would change which ranks write).
 """
 
 import os
@@ -22,6 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CASES = [(stage, dtype) for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
+MOE_CASES = [(ep, stage) for ep in (1, 2) for stage in (0, 2)]
 
 
 def _fixture(name: str, script: str, options: list) -> None:
@@ -46,13 +52,21 @@ def _fixture(name: str, script: str, options: list) -> None:
     print(f"wrote {target}")
 
 
-def main() -> None:
-    for stage, dtype in CASES:
-        _fixture(
-            f"s{stage}-{dtype}", "run_script.py", ["--world", "2", "--stage", str(stage), "--dtype", dtype]
-        )
-    _fixture("pipe-s1-fp32", "pipe_script.py", ["--world", "2", "--stages", "2", "--stage", "1"])
+def _moe_fixtures() -> None:
+    for ep, stage in MOE_CASES:
+        options = ["--world", "2", "--ep", str(ep), "--stage", str(stage)]
+        _fixture(f"moe-ep{ep}-s{stage}", "moe_script.py", options)
+
+
+def main(only: str | None = None) -> None:
+    """All fixtures, or with `moe` (the first argument) only the MoE ones."""
+    if only != "moe":
+        for stage, dtype in CASES:
+            options = ["--world", "2", "--stage", str(stage), "--dtype", dtype]
+            _fixture(f"s{stage}-{dtype}", "run_script.py", options)
+        _fixture("pipe-s1-fp32", "pipe_script.py", ["--world", "2", "--stages", "2", "--stage", "1"])
+    _moe_fixtures()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -3,7 +3,9 @@
 
     torchrun --nproc_per_node 2 dschat_step3_job.py --work W --out R.json --runs llama:3 opt:2 [--dschat DIR]
 
-Each run is `family:actor_zero_stage`. Without `--dschat` the loop below runs: DeepSpeed-Chat's loop in its
+Each run is `family:actor_zero_stage[:tp2][:lora]`: `tp2` sets the actor's `hybrid_engine.inference_tp_size` to 2,
+`lora` gives the actor LoRA on every linear of its layers (DeepSpeed-Chat's `--actor_lora_dim 4`, with its
+layout written below as `LoraLinear`; only the LoRA factors train). Without `--dschat` the loop below runs: DeepSpeed-Chat's loop in its
 shape (its config blocks, `actor.module.generate(prompts, attention_mask, max_length, pad_token_id,
 synced_gpus)` between `eval()` and `train()`, reference and reward forwards, the clipped PPO actor loss and the
 clipped value loss, `backward`/`step` on actor and critic), written here because CI has no DeepSpeed-Chat. With
@@ -123,7 +125,36 @@ class Critic(torch.nn.Module):
         return {"values": values, "chosen_end_scores": torch.stack(ends)}
 
 
-def _ds_config(stage: int, *, train: bool, hybrid: bool) -> dict:
+class LoraLinear(torch.nn.Module):
+    """DeepSpeed-Chat's `LinearLayer_LoRA` layout: the frozen base `weight`/`bias`, `lora_right_weight` [in, r]
+    (Kaiming-initialised), `lora_left_weight` [r, out] (zeros: the model starts as its base), `lora_scaling`."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: int):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.weight.requires_grad = False
+        self.lora_right_weight = torch.nn.Parameter(torch.empty(linear.in_features, rank))
+        torch.nn.init.kaiming_uniform_(self.lora_right_weight, a=math.sqrt(5))
+        self.lora_left_weight = torch.nn.Parameter(torch.zeros(rank, linear.out_features))
+        self.lora_scaling = 1.0 / rank
+
+    def forward(self, x):
+        low_rank = x @ self.lora_right_weight @ self.lora_left_weight
+        return F.linear(x, self.weight, self.bias) + low_rank * self.lora_scaling
+
+
+def _with_lora(model, part_name: str = "layers.", rank: int = 4):
+    """DeepSpeed-Chat's `convert_linear_layer_to_lora`: every `nn.Linear` whose name contains `part_name`."""
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and part_name in n]
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        setattr(
+            model.get_submodule(parent), leaf, LoraLinear(getattr(model.get_submodule(parent), leaf), rank)
+        )
+    return model
+
+
+def _ds_config(stage: int, *, train: bool, hybrid: bool, tp: int = 1) -> dict:
     config = {
         "train_batch_size": BATCH * dist.get_world_size(),
         "train_micro_batch_size_per_gpu": BATCH,
@@ -138,12 +169,12 @@ def _ds_config(stage: int, *, train: bool, hybrid: bool) -> dict:
         config["zero_optimization"].update(overlap_comm=True, stage3_max_live_parameters=3e7,
                                            stage3_prefetch_bucket_size=3e7)  # fmt: skip
         config["hybrid_engine"] = {"enabled": hybrid, "max_out_tokens": PROMPT_LEN + ANSWER_LEN,
-                                   "inference_tp_size": 1, "release_inference_cache": False,
+                                   "inference_tp_size": tp, "release_inference_cache": False,
                                    "pin_parameters": True, "tp_gather_partition_size": 8}  # fmt: skip
     return config
 
 
-def _engines(family: str, stage: int, actor_dir: Path, critic_dir: Path, pad_id: int):
+def _engines(family: str, stage: int, actor_dir: Path, critic_dir: Path, pad_id: int, options=()):
     import deepspeed
     from deepspeed.ops.adam import FusedAdam
     from transformers import AutoModelForCausalLM
@@ -156,8 +187,12 @@ def _engines(family: str, stage: int, actor_dir: Path, critic_dir: Path, pad_id:
         model = (
             AutoModelForCausalLM.from_pretrained(folder) if folder == actor_dir else Critic(folder, pad_id)
         )
-        config = _ds_config(stage if train else ref_stage, train=train, hybrid=name == "actor")
-        optimizer = FusedAdam(model.parameters(), lr=1e-3, betas=(0.9, 0.95)) if train else None
+        if name == "actor" and "lora" in options:
+            model = _with_lora(model)
+        tp = 2 if name == "actor" and "tp2" in options else 1
+        config = _ds_config(stage if train else ref_stage, train=train, hybrid=name == "actor", tp=tp)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = FusedAdam(trained, lr=1e-3, betas=(0.9, 0.95)) if train else None
         engines[name], *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engines
 
@@ -211,8 +246,8 @@ def _ppo_step(engines, prompts, mask, pad_id: int, z3: bool) -> dict:
             "local_numel": local_numel}  # fmt: skip
 
 
-def _own_loop(family, stage, actor_dir, critic_dir, tokenizer, prompts, mask, steps) -> dict:
-    engines = _engines(family, stage, actor_dir, critic_dir, tokenizer.pad_token_id)
+def _own_loop(family, stage, actor_dir, critic_dir, tokenizer, prompts, mask, steps, options=()) -> dict:
+    engines = _engines(family, stage, actor_dir, critic_dir, tokenizer.pad_token_id, options)
     results = [_ppo_step(engines, prompts, mask, tokenizer.pad_token_id, stage == 3) for _ in range(steps)]
     for engine in engines.values():
         engine.destroy()
@@ -288,12 +323,17 @@ def main() -> None:
     tokenizer = _tokenizer(work / "tokenizer")
     report = {}
     for run in args.runs:
-        family, stage = run.split(":")[0], int(run.split(":")[1])
+        family, stage, *options = run.split(":")
+        stage = int(stage)
+        if options and args.dschat:
+            raise ValueError(
+                f"--runs {run}: the options {options} are for the loop written here, not --dschat"
+            )
         actor_dir, critic_dir = _write_models(family, work, tokenizer)
         prompts, mask = _prompts(tokenizer)
         reference = _hf_rollouts(actor_dir, prompts, mask, tokenizer.pad_token_id)
         loop = _dschat_loop if args.dschat else _own_loop
-        extra = (args.dschat,) if args.dschat else ()
+        extra = (args.dschat,) if args.dschat else (tuple(options),)
         torch.manual_seed(0)
         out = loop(family, stage, actor_dir, critic_dir, tokenizer, prompts, mask, args.steps, *extra)
         first = out["steps"][0]["seq"]
@@ -307,6 +347,8 @@ def main() -> None:
             "actor_loss": [s["actor_loss"] for s in out["steps"]],
             "critic_loss": [s["critic_loss"] for s in out["steps"]],
             "seq": [s["seq"].tolist() for s in out["steps"]],
+            "lora fused": getattr(getattr(out["actor"], "rollout", None), "last_lora_fused", None),
+            "decode weight bytes": getattr(getattr(out["actor"], "rollout", None), "weight_bytes", None),
         }
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=1))

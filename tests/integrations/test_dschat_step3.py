@@ -28,3 +28,22 @@ def test_dschat_step3_loop_with_the_hybrid_engine(tmp_path):
         assert zero3["seq"] == zero2["seq"]  # the second step's rollouts come from the updated actor
         assert zero3["actor_loss"] == pytest.approx(zero2["actor_loss"], abs=1e-5)
         assert zero3["critic_loss"] == pytest.approx(zero2["critic_loss"], abs=1e-5)
+
+
+TP_LORA_RUNS = ["llama:3", "llama:3:tp2", "llama:3:lora", "llama:3:lora:tp2"]
+
+
+def test_dschat_step3_with_tensor_parallel_generation_and_a_lora_actor(tmp_path):
+    """The Llama actor generating with `inference_tp_size` 2, with LoRA, and both: the same rollouts and
+    losses as `inference_tp_size` 1 (the rollouts decide the losses, and generate writes no weight)."""
+    results = run_job("dschat_step3_job.py", tmp_path, "--runs", *TP_LORA_RUNS, "--steps", "2")
+    for run in TP_LORA_RUNS:
+        assert results[run]["first rollouts equal HF generate"], run  # LoRA starts at zero: the base model
+    for plain, tp2 in (("llama:3", "llama:3:tp2"), ("llama:3:lora", "llama:3:lora:tp2")):
+        assert results[tp2]["seq"] == results[plain]["seq"], tp2
+        assert results[tp2]["actor_loss"] == pytest.approx(results[plain]["actor_loss"], abs=1e-6)
+        assert results[tp2]["critic_loss"] == pytest.approx(results[plain]["critic_loss"], abs=1e-6)
+        one, two = results[plain]["decode weight bytes"], results[tp2]["decode weight bytes"]
+        assert two["shards"] > 0 and sum(two.values()) < sum(one.values()), (one, two)
+    assert results["llama:3:lora"]["lora fused"] == 14  # q, k, v, o, gate, up, down in each of 2 layers
+    assert results["llama:3:lora:tp2"]["lora fused"] == 0  # split with LoRA folded in, nothing to run fused

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardspeed.checkpoint import files
+from shardspeed.checkpoint.deepspeed_format.moe import DeepSpeedMoECheckpoint, is_deepspeed_moe_state
 from shardspeed.checkpoint.deepspeed_format.pipeline import is_pipeline_state, with_stage_module
 from shardspeed.checkpoint.deepspeed_format.read import (
     DeepSpeedCheckpointReader,
@@ -33,10 +34,11 @@ __all__ = ["DeepSpeedView", "deepspeed_raw", "engine_view", "read_model_states"]
 class DeepSpeedView(dict):
     """A DeepSpeed model-states file under shardspeed's entries; `raw` is DeepSpeed's own dict (a pipeline
     stage's with its `module` rebuilt from the layer files), `pipeline_stages` the pipeline degree it was
-    saved at (1 without a pipeline)."""
+    saved at (1 without a pipeline), `moe` the reader of an MoE checkpoint's experts and optimizer files."""
 
     raw: dict
     pipeline_stages: int = 1
+    moe = None  # a DeepSpeedMoECheckpoint when the model had MoE layers
 
 
 def deepspeed_raw(state) -> dict | None:
@@ -68,6 +70,8 @@ def engine_view(tag_dir: Path, raw: dict, mp_rank: int = 0) -> DeepSpeedView:
     if is_pipeline_state(raw):  # stage `mp_rank` of a pipeline: its weights are in the layer files
         raw = with_stage_module(Path(tag_dir), raw, mp_rank, read_file)
         stages = int(raw["checkpoint_parallel_dimensions"]["pp_degree"])
+    if is_deepspeed_moe_state(raw) and not is_pipeline_state(raw):
+        return _moe_view(tag_dir, raw, mp_rank)
     reader = DeepSpeedCheckpointReader(tag_dir, model_states=raw, mp_rank=mp_rank)
     if int(raw.get("mp_world_size") or 1) != stages:
         raise files.CheckpointError(
@@ -86,4 +90,28 @@ def engine_view(tag_dir: Path, raw: dict, mp_rank: int = 0) -> DeepSpeedView:
     )
     view.raw = raw
     view.pipeline_stages = stages
+    return view
+
+
+def _moe_view(tag_dir: Path, raw: dict, mp_rank: int) -> DeepSpeedView:
+    """A model with MoE layers: `param_shapes` lists the dense parameters, then every expert's under its global
+    index (moe.py); the MoE part of the engine reads the values by name (the model part refuses them)."""
+    reader = DeepSpeedMoECheckpoint(tag_dir, raw, mp_rank)
+    if int(raw.get("mp_world_size") or 1) != 1:
+        raise files.CheckpointError(
+            f"{model_states_path(Path(tag_dir), mp_rank)} was saved with a model-parallel degree of "
+            f"{raw.get('mp_world_size')}; DeepSpeed's tensor-parallel MoE files are not read by this version"
+        )
+    view = DeepSpeedView((k, v) for k, v in raw.items() if k not in _BOOKKEEPING)
+    view.update(
+        param_shapes=dict(reader.param_shapes()),
+        buffer_names=list(raw.get("buffer_names") or []),
+        frozen_param_names=[],
+        shared_params=dict(raw.get("shared_params") or {}),
+        optimizer=None,
+        zero_stage=reader.zero_stage,
+        dp_world_size=reader.world_size,
+    )
+    view.raw = raw
+    view.moe = reader
     return view

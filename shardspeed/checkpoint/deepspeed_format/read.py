@@ -86,15 +86,16 @@ def _check_version(path: Path, state: dict) -> str:
 
 def _refuse_moe(tag_dir: Path, path: Path, state: dict, mp_rank: int) -> None:
     """DeepSpeed's MoE layout (experts in `layer_<L>_expert_<E>_*` files, optimizer state in `expp_rank_*` or
-    expert-parallel ZeRO partitions) is not read: refused rather than read without its experts."""
+    expert-parallel ZeRO partitions) is read by moe.py, for an engine with MoE layers; this reader (consolidation,
+    a model without MoE layers) refuses it rather than read it without its experts."""
     if not state.get("num_experts"):
         return
     pattern = f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt"
     experts = sorted(p.name for p in tag_dir.glob(pattern))
     raise CheckpointError(
         f"{path} is a DeepSpeed MoE checkpoint (num_experts {state['num_experts']}; expert files {experts[:4]}): "
-        "DeepSpeed's expert and expert-parallel optimizer files are not read by this version, which reads "
-        "DeepSpeed checkpoints of models without MoE layers"
+        "it is read only by an engine whose model has the same MoE layers (load_checkpoint); consolidating it or "
+        "reading it by name is not offered by this version"
     )
 
 

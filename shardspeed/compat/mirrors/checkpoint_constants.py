@@ -7,8 +7,9 @@ in either library; shardspeed's universal folders (checkpoint/universal_folder.p
 from __future__ import annotations
 
 __all__ = [
-    "BASE_OPTIMIZER_STATE", "BASE_OPTIMIZER_STATE_STEP", "BF16_ZERO_FILE_PREFIX", "BUFFER_NAMES", "CAT_DIM",
-    "CHECKPOINT_PARALLEL_DIMS", "CHECKPOINT_PP_DEGREE", "CHECKPOINT_TP_DEGREE", "CLIP_GRAD", "DS_VERSION",
+    "AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS", "BASE_OPTIMIZER_STATE", "BASE_OPTIMIZER_STATE_STEP",
+    "BF16_ZERO_FILE_PREFIX", "BUFFER_NAMES", "CAT_DIM", "CHECKPOINT_PARALLEL_DIMS", "CHECKPOINT_PP_DEGREE",
+    "CHECKPOINT_TP_DEGREE", "CLIP_GRAD", "DS_AUTOTP_UC_META", "DS_VERSION",
     "FP16_ZERO_FILE_PREFIX", "FP32_FLAT_GROUPS", "FP32_GROUPS", "FP32_WEIGHT_KEY", "FROZEN_PARAM_FRAGMENTS",
     "FROZEN_PARAM_SHAPES", "GROUP_PADDINGS", "LAYER_FILE_PREFIX", "LOSS_SCALER", "MODEL_FILE_PREFIX",
     "MODEL_FILE_SUFFIX", "OPTIMIZER_STATE_DICT", "OPTIM_FILE_SUFFIX", "ORIGINAL_VOCAB_SIZE", "PADDED_VOCAB_SIZE",
@@ -60,6 +61,10 @@ DS_VERSION = "ds_version"
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
 UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.4
+# AutoTP's entries: the attribute naming a parameter's universal-checkpoint metadata, and the universal info
+# key listing parameter patterns (with the reason) whose tensor-parallel layout cannot be merged
+DS_AUTOTP_UC_META = "ds_autotp_universal_checkpoint_meta"
+AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS = "autotp_unsupported_parameter_patterns"
 VOCAB_TENSOR = "vocab_tensor"
 PADDED_VOCAB_SIZE = "padded_vocab_size"
 ORIGINAL_VOCAB_SIZE = "original_vocab_size"

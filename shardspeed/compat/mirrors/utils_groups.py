@@ -28,6 +28,7 @@ __all__ = [
     "_get_expert_parallel_group_dict",
     "_get_expert_parallel_rank",
     "_get_expert_parallel_world_size",
+    "_get_max_expert_parallel_group",
     "_get_max_expert_size",
     "_get_max_expert_size_name",
     "_get_model_parallel_rank",
@@ -193,3 +194,9 @@ def _get_max_expert_size() -> int:
 
 def _get_max_expert_size_name() -> str:
     return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_max_expert_parallel_group():
+    """The expert-parallel group of the largest expert-parallel size built (where an overflow in any expert
+    must be agreed on)."""
+    return _get_expert_parallel_group(_get_max_expert_size_name())

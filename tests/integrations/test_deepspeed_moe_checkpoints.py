@@ -1,0 +1,100 @@
+"""DeepSpeed 0.19.8's MoE checkpoints resumed by shardspeed's MoE engine, live.
+
+DeepSpeed runs in its own interpreter, named by DEEPSPEED_PYTHON (CI's integration stage sets it; without it
+these tests skip, with it any failure of DeepSpeed's runs fails them). DeepSpeed trains
+tests/deepspeed_interop/moe_script.py (one `deepspeed.moe.layer.MoE` layer of 2 experts, top-1, fp32) for 3
+steps at 2 ranks and saves — ep size 1 and 2, ZeRO stages 0, 1 and 2 — then trains 3 more steps. shardspeed
+resumes from each save and trains the same 3 steps: at the ep size and stage it was saved at, at the other ep
+size and another stage (2 ranks), and at 1 and 4 ranks. Losses and final weights (experts by global index) are
+compared with DeepSpeed's uninterrupted run, within 1e-6.
+
+The runs at 1 and 4 ranks train without the gate's load-balancing loss (`aux` 0), in DeepSpeed's run too: that
+loss is computed over each rank's own tokens, so it changes with the world size whatever the checkpoint holds.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_ranks
+
+TESTS = Path(__file__).resolve().parents[1]
+SCRIPT = TESTS / "deepspeed_interop" / "moe_script.py"
+TOLERANCE = 1e-6
+DEEPSPEED_PYTHON = os.environ.get("DEEPSPEED_PYTHON")
+# DeepSpeed keeps its expert groups in module globals: the ep-1 runs go first, so that no larger group made by
+# an earlier run decides which ranks write (as in a fresh process).
+SAVED = [(1, 0), (1, 2), (2, 0), (2, 1), (2, 2)]
+
+pytestmark = pytest.mark.skipif(
+    not DEEPSPEED_PYTHON, reason="set DEEPSPEED_PYTHON to a python with deepspeed==0.19.8 (CI does)"
+)
+
+
+def _deepspeed_jobs(jobs: list, tmp: Path) -> None:
+    path = tmp / "deepspeed-jobs.json"
+    path.write_text(json.dumps(jobs))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ""}
+    done = subprocess.run(
+        [DEEPSPEED_PYTHON, str(SCRIPT), "--world", "2", "--jobs", str(path)],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"DeepSpeed's MoE runs failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+
+def _shardspeed_jobs(jobs: list) -> None:
+    import torch.distributed as dist
+    from deepspeed_interop.moe_script import run
+
+    import shardspeed
+
+    shardspeed.init_distributed(dist_backend="gloo")
+    for job in jobs:
+        result = run(
+            shardspeed, dist.get_world_size(), job["ep"], job["stage"], load=job["load"], aux=job["aux"]
+        )
+        if dist.get_rank() == 0:
+            torch.save(result, job["out"])
+        dist.barrier()
+
+
+def test_deepspeed_moe_checkpoints_resume_in_shardspeed(tmp_path):
+    saves = {
+        (ep, stage, aux): {"ep": ep, "stage": stage, "aux": aux, "save": str(tmp_path / f"ds-ep{ep}-s{stage}-{aux}"),
+                           "out": str(tmp_path / f"ds-ep{ep}-s{stage}-{aux}.pt")}
+        for ep, stage, aux in [*[(ep, s, 0.01) for ep, s in SAVED], (2, 2, 0.0)]
+    }  # fmt: skip
+    _deepspeed_jobs(list(saves.values()), tmp_path)
+
+    def resume(saved: tuple, ep: int, stage: int, world: int) -> dict:
+        source = saves[saved]
+        out = f"{source['out']}-as-ep{ep}-s{stage}-w{world}.pt"
+        return {"ep": ep, "stage": stage, "aux": source["aux"], "load": source["save"], "out": out,
+                "expected": source["out"], "world": world}  # fmt: skip
+
+    jobs = [resume((ep, s, 0.01), ep, s, 2) for ep, s in SAVED]  # as saved
+    jobs += [resume((2, 2, 0.01), 1, 0, 2), resume((1, 0, 0.01), 2, 2, 2), resume((2, 0, 0.01), 1, 1, 2),
+             resume((1, 2, 0.01), 2, 0, 2), resume((2, 1, 0.01), 1, 2, 2)]  # fmt: skip
+    jobs += [resume((2, 2, 0.0), 1, 2, 1), resume((2, 2, 0.0), 2, 0, 4), resume((2, 2, 0.0), 1, 1, 4)]
+    for world in (2, 1, 4):
+        run_ranks(_shardspeed_jobs, world, [j for j in jobs if j["world"] == world], timeout=600)
+
+    failures = []
+    for job in jobs:
+        got, expected = torch.load(job["out"]), torch.load(job["expected"])
+        assert got["counters"] == expected["counters"], (job, got["counters"], expected["counters"])
+        assert sorted(got["weights"]) == sorted(expected["weights"]), job
+        loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
+        weights = max((got["weights"][n] - w).abs().max().item() for n, w in expected["weights"].items())
+        label = f"{Path(job['expected']).stem} -> shardspeed ep {job['ep']} stage {job['stage']} at {job['world']}"
+        print(f"{label}: max loss difference {loss:.3g}, max weight difference {weights:.3g}")
+        if loss > TOLERANCE or weights > TOLERANCE:
+            failures.append(f"{label}: losses differ by {loss}, weights by {weights}")
+    assert failures == []
