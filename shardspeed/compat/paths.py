@@ -30,6 +30,10 @@ _DATA_ANALYZER = (
     "per sample and write the curriculum's index files with shardspeed.data_pipeline.write_metric_index"
 )
 
+_AUTOEP_FAMILY = (
+    "AutoEP's presets are one registry here: deepspeed.module_inject.auto_ep_presets.registry.PRESET_MODELS "
+    "(shardspeed.moe.autoep.presets), one entry per family"
+)
 _ROLLOUT_BACKEND = (
     "DeepSpeed's continuous-batching decode loop is not built; HybridEngineRollout generates with the engine's "
     "own generate, one batch per request"
@@ -430,6 +434,46 @@ PATHS: dict[str, object] = {
     "MUON_OPTIMIZER": "shardspeed.compat.mirrors.config_names:MUON_OPTIMIZER",
     "pipe.DualPipeVModule": NotOffered(
         "the DualPipeV pipeline schedule is not built (PipelineModule runs 1F1B)"
+    ),
+    # -- AutoEP (shardspeed.moe.autoep) ------------------------------------------------------------------
+    "module_inject.auto_ep": "shardspeed.moe.autoep.detect",
+    "module_inject.auto_ep._resolve_route_scale": "shardspeed.moe.autoep.detect:resolve_route_scale",
+    "module_inject.auto_ep_config": "shardspeed.moe.autoep.config",
+    "module_inject.auto_ep_config._UNSET": "shardspeed.moe.autoep.config:UNSET",
+    "module_inject.auto_ep_config.validate_autoep_config": "shardspeed.moe.autoep.validate:validate_autoep_config",
+    "module_inject.auto_ep_config.validate_autoep_post_detection": (
+        "shardspeed.moe.autoep.validate:validate_autoep_post_detection"
+    ),
+    "module_inject.auto_ep_config.PRESET_MODELS": "shardspeed.moe.autoep.presets:PRESET_MODELS",
+    "module_inject.auto_ep_config.available_preset_names": "shardspeed.moe.autoep.presets:available_preset_names",
+    "module_inject.auto_ep_config.resolve_autoep_config_defaults": (
+        "shardspeed.moe.autoep.presets:resolve_autoep_config_defaults"
+    ),
+    "module_inject.auto_ep_layer": "shardspeed.moe.autoep.layer",
+    "module_inject.auto_ep_preset_adapters": "shardspeed.moe.autoep.presets",
+    "module_inject.auto_ep_presets": "shardspeed.moe.autoep",
+    "module_inject.auto_ep_presets.registry": "shardspeed.moe.autoep.presets",
+    "module_inject.auto_ep_presets.base": "shardspeed.moe.autoep.config",
+    "module_inject.auto_ep_presets.base._UNSET": "shardspeed.moe.autoep.config:UNSET",
+    "module_inject.auto_ep_presets.base.AutoEPPresetAdapter": "shardspeed.moe.autoep.presets:AutoEPPresetAdapter",
+    "module_inject.auto_ep_presets.base.GroupRoutingConfig": "shardspeed.moe.autoep.presets:GroupRoutingConfig",
+    "moe.ep_router": "shardspeed.moe.autoep.router",
+    "moe.ep_count": "shardspeed.moe.autoep.router",
+    "moe.ep_experts": "shardspeed.moe.autoep.experts",
+    "moe.ep_repack": "shardspeed.moe.autoep.repack",
+    "moe.fused_expert_layout": "shardspeed.moe.autoep.experts",
+    "module_inject.auto_ep_presets.deepseek_v2": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.deepseek_v3": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.mixtral": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.qwen3_5_moe": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.qwen3_moe": NotOffered(_AUTOEP_FAMILY, True),
+    "module_inject.auto_ep_presets.minimax_m3": NotOffered(
+        "the MiniMax-M3 AutoEP preset is not offered", True
+    ),
+    "checkpoint.autoep_universal": NotOffered(
+        "AutoEP checkpoints (per-expert files, their universal conversion) are not built; saving or loading a "
+        "model with AutoEP layers is refused",
+        True,
     ),
 }
 

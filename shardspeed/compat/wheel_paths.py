@@ -51,7 +51,7 @@ _OP_BUILDER_MODULES = (
     "xpu xpu.async_io xpu.builder xpu.cpu_adagrad xpu.cpu_adam xpu.flash_attn xpu.fused_adam xpu.no_impl "
     "xpu.pin_memory"
 )
-_AUTOEP = "AutoEP (expert parallelism injected into Hugging Face MoE models) is not built; use deepspeed.moe.layer.MoE"
+_AUTOEP = "an AutoEP internal that is not built (DeepEP exchange, AutoTP folding, Triton kernels); see docs/compatibility.md"
 _INJECTION = (
     "DeepSpeed's kernel injection (its policies, containers and fused layers) is not built: init_inference runs "
     "the model's own modules, sharded by AutoTP"
@@ -89,20 +89,10 @@ _STAND_IN_MODULES = {
     "inference.v2": "the inference v2 (FastGen) engine and its ragged kernels are not built; shardspeed.mii serves",
     "launcher.constants": INTERNAL,
     "launcher.launcher_helper": "DeepSpeed's MPI launcher helper is not built; shardspeed's launcher starts ranks",
-    "module_inject.auto_ep": _AUTOEP,
     "module_inject.auto_ep_comm": _AUTOEP,
-    "module_inject.auto_ep_config": _AUTOEP,
     "module_inject.auto_ep_folding": _AUTOEP,
-    "module_inject.auto_ep_layer": _AUTOEP,
-    "module_inject.auto_ep_preset_adapters": _AUTOEP,
-    "module_inject.auto_ep_presets": _AUTOEP,
-    "moe.ep_count": _AUTOEP,
-    "moe.ep_experts": _AUTOEP,
     "moe.ep_kernels": _AUTOEP,
-    "moe.ep_repack": _AUTOEP,
-    "moe.ep_router": _AUTOEP,
     "moe.ep_tp_dispatch": _AUTOEP,
-    "moe.fused_expert_layout": _AUTOEP,
     "module_inject.containers": _INJECTION,
     "module_inject.inject": _INJECTION,
     "module_inject.load_checkpoint": _INJECTION,

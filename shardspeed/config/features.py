@@ -312,15 +312,16 @@ class CompileConfig:
 class ExpertParallelConfig:
     """``expert_parallel``: DeepSpeed 0.19's AutoEP (automatic expert parallelism of Hugging Face MoE models).
 
-    Only ``enabled`` is typed; the block's many other keys (``autoep_size``, ``preset_model``, ...) are kept
-    as given and have effect only when it is enabled."""
+    Only ``enabled`` is typed here; the block's other keys (``autoep_size``, ``preset_model``, ...) are parsed and
+    checked by shardspeed.moe.autoep when the engine starts (an unknown key or unsupported value is refused
+    there, naming it). See docs/compatibility.md ("AutoEP")."""
 
     EXTRA_KEYS_FIELD: ClassVar[str] = "options"
 
     enabled: bool = False
     """Replace the model's MoE layers with AutoEP layers. Default false."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Every other key of the block, as given."""
+    """Every other key of the block (DeepSpeed's names and defaults; checked when the engine starts)."""
 
 
 @dataclass(kw_only=True)

@@ -26,6 +26,7 @@ __all__ = ["IMPLEMENTED", "REMOVED_IN_DEEPSPEED", "refuse_removed", "refuse_unsu
 
 IMPLEMENTED: frozenset[str] = frozenset(
     {
+        "expert_parallel",
         "train_batch_size",
         "train_micro_batch_size_per_gpu",
         "gradient_accumulation_steps",
@@ -205,7 +206,6 @@ _REASONS: dict[str, str] = {
     "is not implemented; batches have train_micro_batch_size_per_gpu samples",
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": "DeepSpeed itself raises "
     "NotImplementedError for it (work in progress there); use the scheduler block",
-    "expert_parallel": "AutoEP is not implemented; deepspeed.moe.MoE layers give expert parallelism",
     "weight_quantization": "weight quantization at training time is not implemented",
     "compile": "DeepCompile is not implemented; engine.compile() (torch.compile of the module) needs no "
     "config",

@@ -75,6 +75,7 @@ class MoEModelStates(ModelStates):
     def __init__(self, *args, moe, **kwargs):
         super().__init__(*args, **kwargs)
         self.moe = moe
+        _refuse_autoep(self)  # made on every rank at the first save or load, before any file is touched
 
     def _stage_wrappers(self) -> list:
         return [d.wrapper for d in self.optimizer.domains]  # one per reduction domain (moe/optimizer.py)
@@ -99,6 +100,18 @@ class MoEModelStates(ModelStates):
 
     def load_state_dict(self, entries: dict, ctx: LoadContext) -> None:
         ctx.resharded = load_moe(self, ctx.path, ctx.state, ctx.options.strict, ctx.options.optimizer)
+
+
+def _refuse_autoep(part) -> None:
+    """AutoEP layers keep each rank's experts stacked in one tensor, which the expert files here do not split
+    yet: saving them as dense weights would keep only rank 0's experts, so it is refused."""
+    from shardspeed.moe.autoep.layer import AutoEPMoELayer
+
+    if any(isinstance(layer, AutoEPMoELayer) for layer in part.moe.layers):
+        raise NotImplementedError(
+            "cannot save or load a checkpoint of a model with AutoEP layers (expert_parallel): AutoEP checkpoints "
+            "are not built yet; see docs/compatibility.md (AutoEP)"
+        )
 
 
 def _is_expert_key(name: str) -> bool:

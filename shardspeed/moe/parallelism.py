@@ -1,7 +1,8 @@
 """`ExpertParallelism`: the engine's MoE part — groups for the model's MoE layers, start-up broadcasts,
 and the optimizer wrappers of each gradient-reduction domain.
 
-Built by the engine when the module holds `MoE` layers (none otherwise). At construction, collectively:
+Built by the engine when the module holds `MoE` layers or the `expert_parallel` block (AutoEP) replaced its
+Hugging Face MoE blocks by `AutoEPMoELayer`s (none otherwise). At construction, collectively:
 the expert-parallel and expert-data-parallel groups of every ep size in the model are created from the
 data axis (groups.py) and handed to the layers. Dense tensors start from data-parallel rank 0's values, as
 without MoE; an expert's tensors from the first rank of its expert-data-parallel group (the ranks holding
@@ -14,6 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardspeed.moe.autoep.apply import apply_autoep
+from shardspeed.moe.autoep.experts import GroupedExperts
+from shardspeed.moe.autoep.layer import AutoEPMoELayer
 from shardspeed.moe.experts import Experts
 from shardspeed.moe.groups import ExpertGroups, build_expert_groups
 from shardspeed.moe.layer import MoE
@@ -29,13 +33,25 @@ class ExpertParallelism:
         self.layers = layers
         self.groups = groups
         self.dp_group = dp_group
-        expert_modules = [m for m in module.modules() if isinstance(m, Experts)]
+        expert_modules = [m for m in module.modules() if isinstance(m, (Experts, GroupedExperts))]
         self._expert_ids = {id(t) for m in expert_modules for t in [*m.parameters(), *m.buffers()]}
 
     @classmethod
-    def discover(cls, module: nn.Module, mpu=None, dp_group=None, data_before_expert: bool = False):
-        """The part for `module`, or None without MoE layers (collective: creates the groups)."""
-        layers = [m for m in module.modules() if isinstance(m, MoE)]
+    def discover(
+        cls,
+        module: nn.Module,
+        mpu=None,
+        dp_group=None,
+        data_before_expert: bool = False,
+        autoep=None,
+        zero_stage: int = 0,
+        tp_size: int = 1,
+    ):
+        """The part for `module`, or None without MoE layers (collective: creates the groups). `autoep`: the
+        `expert_parallel` block; when enabled, the model's MoE blocks are first replaced by AutoEP layers."""
+        if autoep is not None:
+            apply_autoep(module, autoep, mpu=mpu, zero_stage=zero_stage, tp_size=tp_size)
+        layers = [m for m in module.modules() if isinstance(m, (MoE, AutoEPMoELayer))]
         if not layers:
             return None
         if data_before_expert:
@@ -63,7 +79,7 @@ class ExpertParallelism:
     def broadcast_experts(self, broadcast) -> None:
         """`broadcast(tensors, group)` each layer's expert tensors within their expert-data-parallel group."""
         for layer in self.layers:
-            experts = layer.deepspeed_moe.experts
+            experts = layer.experts if isinstance(layer, AutoEPMoELayer) else layer.deepspeed_moe.experts
             group = self.groups[layer.expert_group_name].edp_group
             broadcast([*experts.parameters(), *experts.buffers()], group)
 

@@ -115,8 +115,10 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
         self.compiler = ModuleCompiler()
         # MoE layers: their expert groups are created here and experts start from their own group's values
         self.moe = ExpertParallelism.discover(
-            self.module, mpu, self.dp_group, config.use_data_before_expert_parallelism
-        )
+            self.module, mpu, self.dp_group, config.use_data_before_expert_parallelism,
+            autoep=config.expert_parallel, zero_stage=self.zero_optimization_stage(),
+            tp_size=config.tensor_parallel.autotp_size,
+        )  # fmt: skip
         self.has_moe_layers = self.moe is not None  # DeepSpeed's attribute
         if self.moe is None:
             _broadcast_from_rank0(list(self.module.parameters()) + list(self.module.buffers()), self.dp_group)

@@ -46,7 +46,47 @@ AUTOTUNE_BATCH = AUTOTUNE + "test_max_and_min_train_batch_size_and_mp_size_set_t
 # key path (or a block: its keys, unless refused) -> the test that shows the key taking effect
 ZEROPP_BYTES = "test_zeropp.py::test_bytes_per_step_within_and_across_nodes_match_the_formulas"
 
+AUTOEP_TRAIN = "test_autoep_parallel.py::test_ep2_training_matches_one_process_at_zero_0_1_2"
+AUTOEP_REPLACE = "test_autoep.py::test_replaced_mixtral_block_matches_the_source"
+AUTOEP_CHECKS = "test_autoep.py::test_validation_names_the_key"
+AUTOEP_OVERRIDES = "test_autoep.py::test_block_keys_override_the_preset_in_detection"
+
 HONOURED_BY = {
+    # AutoEP: the block trains expert-parallel; its checks (and refusals) run when the engine starts
+    "expert_parallel": AUTOEP_TRAIN,
+    "expert_parallel.moe_layer_pattern": AUTOEP_OVERRIDES,
+    "expert_parallel.router_pattern": AUTOEP_OVERRIDES,
+    "expert_parallel.expert_pattern": AUTOEP_OVERRIDES,
+    "expert_parallel.expert_w2": AUTOEP_OVERRIDES,
+    "expert_parallel.expert_w3": AUTOEP_OVERRIDES,
+    "expert_parallel.num_experts_attr": AUTOEP_OVERRIDES,
+    "expert_parallel.top_k_attr": AUTOEP_OVERRIDES,
+    "expert_parallel.top_k": AUTOEP_OVERRIDES,
+    "expert_parallel.score_func": AUTOEP_OVERRIDES,
+    "expert_parallel.route_norm": AUTOEP_OVERRIDES,
+    "expert_parallel.has_shared_experts": AUTOEP_OVERRIDES,
+    "expert_parallel.shared_experts_pattern": AUTOEP_OVERRIDES,
+    "expert_parallel.shared_experts_gate_pattern": AUTOEP_OVERRIDES,
+    "expert_parallel.expert_activation": AUTOEP_OVERRIDES,
+    "expert_parallel.use_grouped_mm": AUTOEP_REPLACE,
+    "expert_parallel.disable_triton_grouped_mm": AUTOEP_REPLACE,
+    "expert_parallel.gate_up_impl": "test_autoep.py::test_grouped_experts_loop_and_grouped_mm_compute_each_experts_swiglu",
+    "expert_parallel.route_scale": "test_autoep.py::test_route_scale_comes_from_the_block_then_the_model",
+    "expert_parallel.routed_scaling_factor": "test_autoep.py::test_route_scale_comes_from_the_block_then_the_model",
+    "expert_parallel.num_expert_groups": "test_autoep.py::test_router_scale_norm_and_group_limited_routing",
+    "expert_parallel.num_limited_groups": "test_autoep.py::test_router_scale_norm_and_group_limited_routing",
+    "expert_parallel.async_split_plan": AUTOEP_CHECKS,
+    "expert_parallel.combine_impl": AUTOEP_CHECKS,
+    "expert_parallel.comm_backend": AUTOEP_CHECKS,
+    "expert_parallel.comm_max_tokens_per_rank": AUTOEP_CHECKS,
+    "expert_parallel.comm_num_sm": AUTOEP_CHECKS,
+    "expert_parallel.comm_qp_margin": AUTOEP_CHECKS,
+    "expert_parallel.expert_tensor_parallel_size": AUTOEP_CHECKS,
+    "expert_parallel.load_balance_coeff": AUTOEP_CHECKS,
+    "expert_parallel.row_weighting_impl": AUTOEP_CHECKS,
+    "expert_parallel.score_apply": AUTOEP_CHECKS,
+    "expert_parallel.preset_model": AUTOEP_CHECKS,
+    "expert_parallel.expert_w1": AUTOEP_CHECKS,
     "train_batch_size": "config/test_config_batch.py::test_inference_table",
     "train_micro_batch_size_per_gpu": "config/test_config_batch.py::test_inference_table",
     "gradient_accumulation_steps": "config/test_config_batch.py::test_inference_table",

@@ -18,6 +18,7 @@ from shardspeed.config import ConfigError, load_config, resolve_batch_sizes
 from shardspeed.config.blocks import Bf16Config, Fp16Config
 from shardspeed.config.build import BuildContext, build_block
 from shardspeed.config.monitoring import CometConfig, CsvMonitorConfig, TensorBoardConfig, WandbConfig
+from shardspeed.moe.autoep.apply import block_to_config
 
 __all__ = [
     "DeepSpeedConfig",
@@ -80,6 +81,8 @@ class DeepSpeedConfig:
             raise ValueError("DeepSpeedConfig(mesh_device=...): pass the layout through the config or an mpu")
         self.world_size = _data_parallel_world_size(mpu)
         self.loaded = load_config(config, world_size=self.world_size)
+        # DeepSpeed parses the AutoEP block here (a non-null load_balance_coeff is refused at once)
+        self.expert_parallel_config = block_to_config(self.loaded.expert_parallel)
 
     def __getattr__(self, name: str):
         if name == "loaded":  # not set yet: __init__ failed part-way
