@@ -288,8 +288,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not (part.isdigit() and parts.isdigit() and 1 <= int(part) <= int(parts)):
             parser.error(f"--chunk {args.chunk}: expected I/N with 1 <= I <= N")
         args.chunk = (int(part), int(parts))
-    if args.sample is not None and (args.sample < 1 or args.only or not args.deepspeed_python):
-        parser.error("--sample K needs K >= 1, both sides (no --only) and --deepspeed-python")
+    if args.sample is not None and (args.sample < 1 or args.only == "deepspeed"):
+        parser.error("--sample K needs K >= 1; with --only, only the alias side can be rerun")
+    if args.sample is not None and not args.only and not args.deepspeed_python:
+        parser.error(
+            "--sample K needs --deepspeed-python (or --only shardspeed: rerun the alias on the sample)"
+        )
     if args.only != "shardspeed" and not args.deepspeed_python and not args.report_only:
         parser.error("--deepspeed-python is required unless --only shardspeed")
     return args
@@ -320,9 +324,37 @@ def _selected(args, inventory: dict) -> list[str]:
     return names
 
 
+def rerun_sampled_alias(args, alias_dir: Path, json_path: Path) -> None:
+    """`--sample K --only shardspeed`: the alias side again on the node ids already sampled (same seed and K),
+    DeepSpeed's side kept: after a change to the tree, the sample measures the tree as it is now."""
+    with _locked_results(json_path) as results:
+        full = {n for n, e in results["files"].items() if e.get("deepspeed") and e.get("shardspeed")}
+        entries = {n: e for n, e in results.get("sampled", {}).items() if e.get("seed") == args.seed
+                   and e.get("sample_size") == args.sample and e.get("deepspeed") and n not in full}  # fmt: skip
+    names = [n for n in (args.files or entries) if n in entries]
+    env = side_environment("shardspeed", alias_dir, args.logs / "torch_extensions", args.deepspeed_python)
+    (args.logs / "shardspeed").mkdir(parents=True, exist_ok=True)
+    _check_interpreter("shardspeed", args.shardspeed_python, env)
+    for name in names:
+        ids = entries[name]["ids"]
+        side = run_file(args.shardspeed_python, args.tests, name, env, (args.test_timeout, args.file_timeout),
+                        args.logs / "shardspeed", ids)  # fmt: skip
+        with _locked_results(json_path) as results:
+            entry = results["sampled"][name]
+            entry.update(shardspeed=side, shardspeed_commit=args.tree_commit,
+                         shardspeed_date=datetime.date.today().isoformat())  # fmt: skip
+        print(
+            f"[sample, alias] {name}: {side['passed']} of {len(ids)} passed ({side['seconds']:.0f} s)",
+            flush=True,
+        )
+
+
 def run_sampled(args, inventory: dict, alias_dir: Path, json_path: Path) -> None:
     """`--sample K`: per file, K of DeepSpeed's node ids, run on DeepSpeed's side and then the alias's, file
     after file (so every finished file has both sides), into `results["sampled"]`."""
+    if args.only == "shardspeed":
+        rerun_sampled_alias(args, alias_dir, json_path)
+        return
     with _locked_results(json_path) as results:
         full = {n for n, e in results["files"].items() if e.get("deepspeed") and e.get("shardspeed")}
         done = {n for n, e in results.get("sampled", {}).items() if e.get("seed") == args.seed
