@@ -197,9 +197,8 @@ class ZeroOptimizer(OptimizerWrapper):
         return math.sqrt(local.item())
 
     def _get_norm_groups(self) -> list[torch.Tensor]:
-        """DeepSpeed's per-group gradient norms (float32 tensors over every rank's shard, of the gradients as
-        held, loss-scaled under fp16): one per flat gradient buffer, or one for all host-held (offloaded)
-        shards. Their vector norm is `_global_norm()`, which step() clips by."""
+        """DeepSpeed's per-group gradient norms over every rank's shard (float32, as held: loss-scaled under fp16):
+        one per flat gradient buffer, one for all offloaded shards; their vector norm is `_global_norm()`."""
         if self.host_grads is not None:
             squares = [self.host_grads.squared_norm().to(torch.float32)]
         else:
