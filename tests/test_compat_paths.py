@@ -268,6 +268,33 @@ def test_cpu_device_count_is_the_local_world_size(monkeypatch):
         shardspeed.accelerator.set_accelerator(object())
 
 
+def test_deepspeeds_cuda_and_cpu_accelerator_classes(monkeypatch):
+    """`accelerator.cpu_accelerator.CPU_Accelerator` / `cuda_accelerator.CUDA_Accelerator` are the objects
+    `get_accelerator()` returns, and `set_accelerator` with one makes it the current accelerator."""
+    from shardspeed.accelerator import facade
+    from shardspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from shardspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setattr(facade, "_chosen", [])
+    automatic = shardspeed.accelerator.get_accelerator()
+    assert type(automatic) is CPU_Accelerator and automatic is shardspeed.accelerator.get_accelerator()
+    cuda = CUDA_Accelerator()  # built without a GPU, as DeepSpeed's is; only its device calls need one
+    assert (cuda.device_name(), cuda.communication_backend_name()) == ("cuda", "nccl")
+    cpu = CPU_Accelerator()
+    assert (cpu.device_name(), cpu.communication_backend_name(), cpu.device(0)) == (
+        "cpu",
+        "gloo",
+        torch.device("cpu"),
+    )
+    shardspeed.accelerator.set_accelerator(cuda)
+    assert shardspeed.accelerator.get_accelerator() is cuda
+    # DeepSpeed's other accelerator modules (NPU, HPU, XPU, ...) stay stand-ins naming the reason
+    from shardspeed.compat.paths import PATHS
+
+    assert "accelerator.npu_accelerator" in PATHS and "accelerator.cpu_accelerator" not in PATHS
+
+
 def test_partition_helpers_give_deepspeeds_bounds():
     from shardspeed.runtime.utils import (
         partition_balanced,

@@ -124,18 +124,29 @@ def _local_accessors(stage: int) -> dict:
         out["lengths"] = [int(n) for n in lengths]
         return torch.cat([part[: int(n)] for part, n in zip(parts, lengths)])
 
+    def norm_groups() -> tuple:
+        """DeepSpeed's `_get_norm_groups()`, with the norm of every full gradient and the wrapper's own."""
+        groups = engine.optimizer._get_norm_groups()
+        full = [get["safe_get_full_grad"](p).float() for p in engine.module.parameters()]
+        reference = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full]))
+        return [float(g) for g in groups], float(reference), engine.optimizer._global_norm()
+
     out = {"name": name}
+    out["norm_groups"] = norm_groups()
     out["full_grad"] = get["safe_get_full_grad"](param)
     out["local_grads"] = gathered(get["safe_get_local_grad"](param))
     get["safe_set_local_grad"](param, torch.full_like(get["safe_get_local_grad"](param), float(rank + 1)))
     out["after_set_local"] = get["safe_get_full_grad"](param)
+    out["norm_groups_after_set"] = norm_groups()  # the set gradient counts
     get["safe_set_full_grad"](param, torch.arange(param.numel(), dtype=torch.float32).view(param.shape))
     out["after_set_full"] = get["safe_get_full_grad"](param)
     out["full_fp32"] = get["safe_get_full_fp32_param"](param)
     out["local_fp32"] = gathered(get["safe_get_local_fp32_param"](param))
     get["safe_set_local_fp32_param"](param, torch.zeros_like(get["safe_get_local_fp32_param"](param)))
     out["fp32_after_set"] = get["safe_get_full_fp32_param"](param)
+    out["norm_before_step"] = engine.optimizer._global_grad_norm
     engine.step()
+    out["last_norm"] = (engine.optimizer._global_grad_norm, engine.get_global_grad_norm())
     out["exp_avg"] = get["safe_get_full_optimizer_state"](param, "exp_avg")
     out["local_exp_avg"] = gathered(get["safe_get_local_optimizer_state"](param, "exp_avg"))
     try:
@@ -225,6 +236,15 @@ def test_local_parts_put_together_are_the_full_values(job, stage):
     assert torch.count_nonzero(first["fp32_after_set"]) == 0
     assert torch.equal(first["local_exp_avg"][: full.numel()], first["exp_avg"].reshape(-1).float())
     assert "no optimizer state 'no_such_state'" in first["bad_key"]
+    for key in ("norm_groups", "norm_groups_after_set"):
+        groups, reference, global_norm = first[key]
+        assert len(groups) >= 1 and first[key] == second[key]  # the same on every rank
+        assert abs(torch.linalg.vector_norm(torch.tensor(groups)).item() - reference) <= 1e-4 * reference
+        assert abs(global_norm - reference) <= 1e-4 * reference
+    assert first["norm_groups_after_set"][1] != first["norm_groups"][1]
+    # DeepSpeed's `_global_grad_norm`: the norm the last step took, what get_global_grad_norm() reports
+    assert first["norm_before_step"] is None
+    assert first["last_norm"][0] is not None and first["last_norm"][0] == first["last_norm"][1] > 0
 
 
 def test_reduce_scatter_coalesced_and_partitioned_tensor(job):

@@ -47,10 +47,19 @@ def _api_cases(root: str) -> dict:
 
     # Generation with everything gathered once; the result equals a plain forward on the full weights.
     probe = token_batches(1, 2, seed=99)[0]
+
+    def module_hooks():
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules())
+
+    offload = engine.optimizer.parameter_offload
+    out["hooks"] = [(len(offload.forward_hooks), module_hooks())]
     with torch.no_grad(), zero.unwrap_model_for_generation(engine) as module:
         out["numel_inside"] = module.blocks[0].mlp[0].weight.numel()
+        out["hooks"].append((len(offload.forward_hooks), module_hooks()))  # taken off, as DeepSpeed does
         out["loss_inside"] = module(probe).item()
     out["numel_after"] = engine.module.blocks[0].mlp[0].weight.numel()
+    out["hooks"].append((len(offload.forward_hooks), module_hooks()))  # put back
+    out["order_after"] = offload.param_coordinator.is_invalid_trace()  # re-recorded over the next step
 
     # Modify a parameter on rank 0 only; every rank and the fp32 master see it after the block.
     weight = engine.module.blocks[0].mlp[0].weight
@@ -83,6 +92,9 @@ def test_zero_user_api(tmp_path):
             assert torch.equal(p.detach(), r[stage]["params"][name]), name
     assert r["released_outside_forward"] == 0
     assert r["numel_inside"] == 128 * 32 and r["numel_after"] == 0
+    (handles, hooks), inside, after = r["hooks"]
+    assert handles > 0 and handles == hooks and inside == (0, 0) and after == (handles, hooks)
+    assert r["order_after"]  # the hooks were put back at the root: the gather order is recorded anew
     reference = TinyGPT()
     reference.load_state_dict({k: v for k, v in r[3]["params"].items()}, strict=False)
     reference.head.weight = reference.tok.weight

@@ -8,6 +8,10 @@ against DeepSpeed (see facade.py).
 
 from __future__ import annotations
 
+import functools
+
+from shardspeed.accelerator.cpu_accelerator import CPU_Accelerator
+from shardspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 from shardspeed.accelerator.device import (
     default_backend,
     device_for_local_rank,
@@ -16,12 +20,19 @@ from shardspeed.accelerator.device import (
     set_device,
     synchronize,
 )
-from shardspeed.accelerator.facade import current, set_current
+from shardspeed.accelerator.facade import chosen, set_current
+
+
+@functools.cache
+def _automatic(device_type: str):
+    return CUDA_Accelerator() if device_type == "cuda" else CPU_Accelerator()
 
 
 def get_accelerator():
-    """The DeepSpeed-style accelerator object for this process (CUDA or CPU, chosen as `has_cuda`)."""
-    return current()
+    """The DeepSpeed-style accelerator object for this process: the one `set_accelerator` installed, else
+    DeepSpeed's CUDA_Accelerator where `has_cuda()`, else its CPU_Accelerator."""
+    installed = chosen()
+    return installed if installed is not None else _automatic("cuda" if has_cuda() else "cpu")
 
 
 def set_accelerator(accelerator) -> None:
@@ -35,6 +46,8 @@ def is_current_accelerator_supported() -> bool:
 
 
 __all__ = [
+    "CPU_Accelerator",
+    "CUDA_Accelerator",
     "default_backend",
     "device_for_local_rank",
     "get_accelerator",

@@ -10,14 +10,11 @@ events, memory statistics) do the CPU's equivalent: nothing, or zero.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
 
-from shardspeed.accelerator.device import has_cuda
-
-__all__ = ["DeviceAccelerator", "current", "set_current"]
+__all__ = ["DeviceAccelerator", "chosen", "set_current"]
 
 _chosen: list = []  # an accelerator object set_accelerator() installed, overriding the automatic choice
 
@@ -190,17 +187,10 @@ class DeviceAccelerator:
         return f"DeviceAccelerator({self._name!r}, backend={self._communication_backend_name!r})"
 
 
-@functools.cache
-def _for(device_type: str) -> DeviceAccelerator:
-    return DeviceAccelerator(device_type)
-
-
-def current() -> DeviceAccelerator:
-    """The accelerator for this process: the one `set_current` installed, else CUDA if `has_cuda()`, else
-    the CPU."""
-    if _chosen:
-        return _chosen[0]
-    return _for("cuda" if has_cuda() else "cpu")
+def chosen() -> DeviceAccelerator | None:
+    """The accelerator `set_current` installed, or None: then `get_accelerator()` picks CUDA or the CPU
+    itself (shardspeed/accelerator/__init__.py, with the classes of cuda_accelerator.py and cpu_accelerator.py)."""
+    return _chosen[0] if _chosen else None
 
 
 def set_current(accelerator: DeviceAccelerator) -> None:

@@ -61,13 +61,11 @@ _AUTOTP_INTERNAL = (
     "the tensor_parallel config block) shards the model itself"
 )
 _OTHER_DEVICES = (
-    "shardspeed has one accelerator class for CUDA and CPU (accelerator.DeepSpeedAccelerator); "
-    "get_accelerator() returns it"
+    "shardspeed runs on CUDA and the CPU only (accelerator.cuda_accelerator.CUDA_Accelerator, "
+    "accelerator.cpu_accelerator.CPU_Accelerator); get_accelerator() returns one of them"
 )
 _COMM_BACKENDS = "DeepSpeed's communication backend classes; shardspeed.comm calls torch.distributed directly"
 _STAND_IN_MODULES = {
-    "accelerator.cpu_accelerator": _OTHER_DEVICES,
-    "accelerator.cuda_accelerator": _OTHER_DEVICES,
     "accelerator.hpu_accelerator": _OTHER_DEVICES,
     "accelerator.klxpu_accelerator": _OTHER_DEVICES,
     "accelerator.mlu_accelerator": _OTHER_DEVICES,

@@ -207,16 +207,17 @@ class PipelineConfig:
     grad_partitioned: bool = True
     """Partition gradients sent between stages. Default true."""
     use_reentrant: bool | None = None
-    """DeepSpeed's choice of checkpoint function for `activation_checkpoint_interval`: shardspeed always
-    checkpoints non-reentrantly (no need for inputs that require grad; the same results), so false is what
-    happens anyway and true is refused. Default null."""
+    """DeepSpeed's choice of checkpoint function for `activation_checkpoint_interval`: false sets the
+    PipelineModule's function to `checkpointing.non_reentrant_checkpoint` (as DeepSpeed does), which is also
+    shardspeed's default; true (DeepSpeed's default) is refused: pass a reentrant function as
+    `activation_checkpoint_func` instead. Default null."""
 
     def validate(self, path: str) -> None:
         if self.use_reentrant:
             raise ConfigError(
                 f"{join(path, 'use_reentrant')}: true is not supported by shardspeed (pipeline activation "
-                "checkpointing is always non-reentrant: torch.utils.checkpoint with use_reentrant=False); remove "
-                "the key or set it false"
+                "checkpointing uses checkpointing.non_reentrant_checkpoint unless the PipelineModule is given "
+                "another activation_checkpoint_func); remove the key or set it false"
             )
 
 

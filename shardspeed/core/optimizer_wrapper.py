@@ -47,6 +47,12 @@ class OptimizerWrapper:
         self.zero_grad()
         return True
 
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """DeepSpeed's attribute: the global gradient norm the last step took (unscaled, before clipping;
+        `engine.get_global_grad_norm()`); None before the first step or without `compute_grad_norm`."""
+        return getattr(self, "grad_norm", None)
+
     def _global_norm(self) -> float:
         """L2 norm of the averaged, still loss-scaled gradients across all ranks (inf/nan on overflow)."""
         raise NotImplementedError

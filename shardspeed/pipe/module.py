@@ -10,7 +10,10 @@ at construction the copies are made equal (broadcast from the lowest stage holdi
 sums their gradients over the stages holding the tie (`TiedWeights`), so the copies stay equal.
 
 Activation checkpointing: with `activation_checkpoint_interval=k`, every run of k layers is recomputed in
-backward instead of keeping its activations (`torch.utils.checkpoint`, non-reentrant).
+backward instead of keeping its activations (by default `checkpointing.non_reentrant_checkpoint`:
+`torch.utils.checkpoint`, non-reentrant, with the model-parallel RNG streams restored). Which runs qualify
+(`_is_checkpointable`: one with parameters, or of `checkpointable_layers`) is cached per interval as DeepSpeed
+does (`is_checkpointable_results`, rebuilt by `set_checkpoint_interval`).
 
 Virtual stages (beyond DeepSpeed; Megatron's interleaved pipeline): with `virtual_stages=v` the layers are split
 into `num_stages * v` parts and rank r holds v "chunks", parts r, r + p, r + 2p, ... (p = num_stages). A
@@ -25,8 +28,8 @@ import functools
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from shardspeed.checkpointing import non_reentrant_checkpoint
 from shardspeed.comm.topology import ParallelGrid, PipeDataParallelTopology, ProcessTopology
 from shardspeed.pipe.partition import PartitionError, partition_layers
 from shardspeed.utils.logging import log_dist
@@ -114,9 +117,11 @@ class PipelineModule(nn.Module):
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
-        self.activation_checkpoint_func = activation_checkpoint_func or functools.partial(
-            torch_checkpoint, use_reentrant=False
-        )
+        self.activation_checkpoint_func = activation_checkpoint_func or non_reentrant_checkpoint
+        # DeepSpeed's cache of `_is_checkpointable` per run of `activation_checkpoint_interval` layers: one list
+        # per chunk of this rank, for the interval recorded beside it (None: not computed for these layers)
+        self._checkpointable_runs: list[list[bool]] = []
+        self.is_checkpointable_results_interval: int | None = None
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = dynamic_shape
         self._layer_specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
@@ -150,6 +155,8 @@ class PipelineModule(nn.Module):
         self.chunk_funcs: list[list] = [self._build(start, stop) for start, stop in self.chunk_ranges]
         # DeepSpeed's attribute (every chunk's layers in order); the forward itself runs `chunk_funcs[chunk]`
         self.forward_funcs = [f for funcs in self.chunk_funcs for f in funcs]
+        self.is_checkpointable_results_interval = None  # the layers changed: the cache no longer fits them
+        self._precompute_checkpointable_values()
         self.tied = TiedWeights(self)
         self.tied.sync_weights()
 
@@ -226,15 +233,38 @@ class PipelineModule(nn.Module):
         funcs = self.chunk_funcs[chunk]
         if interval == 0 or not torch.is_grad_enabled():
             return _run_layers(funcs, inputs)
+        self._precompute_checkpointable_values()  # a no-op unless the interval changed since
         x = inputs
-        for start in range(0, len(funcs), interval):
-            chunk = funcs[start : start + interval]
-            if self._is_checkpointable(chunk):
+        for start, checkpointable in zip(range(0, len(funcs), interval), self._checkpointable_runs[chunk]):
+            block = funcs[start : start + interval]
+            if checkpointable:
                 args = x if isinstance(x, tuple) else (x,)
-                x = self.activation_checkpoint_func(_ChunkRunner(chunk), *args)
+                x = self.activation_checkpoint_func(_ChunkRunner(block), *args)
             else:
-                x = _run_layers(chunk, x)
+                x = _run_layers(block, x)
         return x
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Decide once per interval which runs of `activation_checkpoint_interval` layers forward() checkpoints
+        (DeepSpeed's name): the cache is rebuilt, never extended, when the interval differs from the one it
+        was computed for, so forward() never pairs runs with flags of another interval."""
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or interval == self.is_checkpointable_results_interval:
+            return
+        self._checkpointable_runs = [
+            [
+                self._is_checkpointable(funcs[start : start + interval])
+                for start in range(0, len(funcs), interval)
+            ]
+            for funcs in self.chunk_funcs
+        ]
+        self.is_checkpointable_results_interval = interval
+
+    @property
+    def is_checkpointable_results(self) -> list[bool]:
+        """DeepSpeed's list: for each run of `activation_checkpoint_interval` layers of this rank (in order,
+        over its chunks), whether forward() checkpoints it. Empty until computed for a positive interval."""
+        return [flag for runs in self._checkpointable_runs for flag in runs]
 
     def _is_checkpointable(self, funcs) -> bool:
         modules = [f for f in funcs if isinstance(f, nn.Module)]
@@ -274,7 +304,11 @@ class PipelineModule(nn.Module):
         return out
 
     def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every `interval` layers from the next forward on (0: off)."""
+        if int(interval) < 0:
+            raise ValueError(f"PipelineModule.set_checkpoint_interval: interval must be >= 0, got {interval}")
         self.activation_checkpoint_interval = int(interval)
+        self._precompute_checkpointable_values()
 
     def get_additional_losses(self):
         """Losses to report beside the training loss (DeepSpeed's hook; None here). A subclass returns

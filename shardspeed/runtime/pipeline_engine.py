@@ -22,6 +22,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
+from shardspeed.checkpointing import non_reentrant_checkpoint
 from shardspeed.config import ConfigError
 from shardspeed.data_pipeline.engine_part import refuse_for_pipeline
 from shardspeed.pipe import schedule as sched
@@ -32,6 +33,16 @@ from shardspeed.runtime.engine import ShardspeedEngine
 from shardspeed.utils.logging import log_dist
 
 __all__ = ["PipelineEngine", "PipelineError"]
+
+
+def _requiring_grad(inputs):
+    """The first stage's inputs with every floating-point tensor made a leaf that requires grad."""
+    if isinstance(inputs, tuple | list):
+        values = [_requiring_grad(x) for x in inputs]
+        return values if isinstance(inputs, list) else tuple(values)
+    if torch.is_tensor(inputs) and inputs.is_floating_point():
+        return inputs.detach().requires_grad_()
+    return inputs
 
 
 class PipelineError(Exception):
@@ -55,6 +66,8 @@ def _apply_pipeline_config(block, model: PipelineModule) -> None:
         raise ConfigError(
             "pipeline.seed_layers: true, but the PipelineModule was built with seed_layers=False"
         )
+    if block.use_reentrant is False:  # as DeepSpeed: the config's choice replaces the module's function
+        model.activation_checkpoint_func = non_reentrant_checkpoint
     if block.activation_checkpoint_interval > 0:
         model.set_checkpoint_interval(block.activation_checkpoint_interval)
     virtual = model.virtual_stages if block.virtual_stages == "auto" else block.virtual_stages
@@ -361,9 +374,20 @@ class PipelineEngine(ShardspeedEngine):
                 + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
             )
         if self.is_first_stage() and chunk == 0:
-            state.inputs[key] = self._to_device(batch[0], cast=self.plan.mixed)
+            inputs = self._to_device(batch[0], cast=self.plan.mixed)
+            # a reentrant checkpoint function keeps gradients flowing only from inputs that require them
+            reentrant = torch.is_grad_enabled() and self._reentrant_activation_checkpointing()
+            state.inputs[key] = _requiring_grad(inputs) if reentrant else inputs
         if self._is_last_part(chunk):
             state.labels[key] = self._to_device(batch[1], cast=False)
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether the module checkpoints activations now with a reentrant function (DeepSpeed's name): any
+        function but `checkpointing.non_reentrant_checkpoint` counts as one, so the first stage's inputs are
+        then made to require grad. Read from the module, which `set_checkpoint_interval` may change later."""
+        if self.module.activation_checkpoint_interval <= 0:
+            return False
+        return self.module.activation_checkpoint_func is not non_reentrant_checkpoint
 
     def _exec_recv_activation(self, state: _BatchState, key: tuple[int, int]) -> None:
         state.inputs[key] = self._input_link(key[1]).recv_activations()

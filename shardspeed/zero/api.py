@@ -180,7 +180,8 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
 
 @contextlib.contextmanager
 def unwrap_model_for_generation(model):
-    """Run generation/evaluation with every parameter gathered once (ZeRO-3), hooks paused; yields the module.
+    """Run generation/evaluation with every parameter gathered once (ZeRO-3) and the module hooks taken off
+    (put back on exit, as DeepSpeed's); yields the module.
 
     Token-by-token generation would otherwise gather each layer once per token. Needs memory for the full
     model while inside. `model` is the engine (or anything with `.module` and `.optimizer`).
@@ -195,10 +196,17 @@ def unwrap_model_for_generation(model):
     for unit in units:
         unit.hold()
     coordinator.paused = True
+    # As DeepSpeed, the module hooks are taken off (the module runs as a plain one; `forward_hooks` is empty
+    # inside) and put back after, which also drops the recorded gather order: the next step records anew.
+    for handle in coordinator.hook_handles():
+        handle.remove()
+    coordinator.forget_removed_hooks()
     try:
         yield module
     finally:
         coordinator.paused = False
+        if not coordinator.hook_handles():  # unless the caller put them back already
+            coordinator.register_hooks(coordinator.root)
         for unit in units:
             unit.let_go()
 

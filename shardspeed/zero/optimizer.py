@@ -196,6 +196,18 @@ class ZeroOptimizer(OptimizerWrapper):
             all_reduce(local, group=self.group)
         return math.sqrt(local.item())
 
+    def _get_norm_groups(self) -> list[torch.Tensor]:
+        """DeepSpeed's per-group gradient norms over every rank's shard (float32, as held: loss-scaled under fp16):
+        one per flat gradient buffer, one for all offloaded shards; their vector norm is `_global_norm()`."""
+        if self.host_grads is not None:
+            squares = [self.host_grads.squared_norm().to(torch.float32)]
+        else:
+            squares = [torch.linalg.vector_norm(f, dtype=torch.float32) ** 2 for f in self.grads.flat_grads()]
+        squares = torch.stack(squares or [torch.zeros(())])
+        if dist.get_world_size(self.group) > 1:
+            all_reduce(squares, group=self.group)
+        return list(squares.sqrt().unbind())
+
     def _has_nonfinite(self) -> bool:
         """Any inf/nan in any rank's gradient shards: one MAX all-reduce of a flag, no norm."""
         flats = self.grads.flat_grads()
