@@ -116,3 +116,16 @@ def greedy_reference(model, prompt: list[int], new_tokens: int, eos: int | None 
         if token == eos:
             break
     return ids[len(prompt) :]
+
+
+def train_step(engine, vocab: int, step: int) -> float:
+    """One training step of a causal LM engine on this rank's part of a fixed batch (the hybrid-engine tests)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    data = torch.randint(0, vocab, (2, 2, 8), generator=torch.Generator().manual_seed(step))[dist.get_rank()]
+    logits = engine(data).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), data[:, 1:].reshape(-1))
+    engine.backward(loss)
+    engine.step()
+    return loss.item()

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from harness import run_ranks
-from inference_models import TinyLlama, greedy_reference
+from inference_models import TinyLlama, greedy_reference, train_step
 
 PROMPTS = torch.tensor([[5, 9, 3, 17], [8, 2, 30, 11]])
 VOCAB = 64
@@ -52,17 +51,6 @@ def _engine(stage: int, model_class=TinyLlama, **hybrid):
     torch.manual_seed(0)
     engine, *_ = shardspeed.initialize(model=model_class(vocab=VOCAB), config=_config(stage, **hybrid))
     return engine
-
-
-def _train_step(engine, step: int) -> float:
-    import torch.distributed as dist
-
-    data = torch.randint(0, VOCAB, (2, 2, 8), generator=torch.Generator().manual_seed(step))[dist.get_rank()]
-    logits = engine(data).logits
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), data[:, 1:].reshape(-1))
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
 
 
 def _unsharded_tokens(engine, new_tokens: int) -> torch.Tensor:
@@ -111,7 +99,7 @@ def _generation_and_training(stage: int) -> dict:
     out["rollout is an inference tensor"] = out["initial"].is_inference()  # it could not be trained on
     out["initial reference"] = _unsharded_tokens(engine, 6)
     engine.train()
-    losses = [_train_step(engine, 0), _train_step(engine, 1)]
+    losses = [train_step(engine, VOCAB, 0), train_step(engine, VOCAB, 1)]
     engine.eval()
     (long, out["gathers 12 tokens"]) = counter.during(lambda: engine.generate(PROMPTS, max_new_tokens=12))
     mask = torch.ones_like(PROMPTS)  # DeepSpeed-Chat's call: the module's generate, max_length, synced_gpus
@@ -125,9 +113,9 @@ def _generation_and_training(stage: int) -> dict:
     out["training mode in eval"] = engine.module.training
     engine.train()
     out["training mode in train"] = engine.module.training
-    out["losses"] = losses + [_train_step(engine, 2), _train_step(engine, 3)]
+    out["losses"] = losses + [train_step(engine, VOCAB, 2), train_step(engine, VOCAB, 3)]
     plain = _engine(stage)  # the same training, never generating
-    out["losses without generate"] = [_train_step(plain, s) for s in range(4)]
+    out["losses without generate"] = [train_step(plain, VOCAB, s) for s in range(4)]
     engine.destroy()
     out["module generate restored"] = "generate" not in engine.module.__dict__
     return out

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import run_ranks
-from inference_models import TinyLlama, greedy_reference
+from inference_models import TinyLlama, greedy_reference, train_step
 
 VOCAB = 64
 PROMPTS = torch.tensor([[5, 9, 3, 17], [8, 2, 30, 11]])
@@ -128,17 +128,6 @@ def _config(stage: int) -> dict:
     }
 
 
-def _train_step(engine, step: int) -> float:
-    import torch.distributed as dist
-
-    data = torch.randint(0, VOCAB, (2, 2, 8), generator=torch.Generator().manual_seed(step))[dist.get_rank()]
-    logits = engine(data).logits
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), data[:, 1:].reshape(-1))
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
-
-
 def _full_state(engine) -> dict:
     from shardspeed.zero.api import GatheredParameters
 
@@ -151,7 +140,7 @@ def _lora_case(stage: int) -> dict:
 
     engine, *_ = shardspeed.initialize(model=lora_model(), config=_config(stage))
     layers = [m for m in engine.module.modules() if isinstance(m, LoraLinear)]
-    losses = [_train_step(engine, 0)]
+    losses = [train_step(engine, VOCAB, 0)]
     state = _full_state(engine)
     out = {"engine fuse": _engine_fuse(engine, layers, stage)}
     engine.eval()
@@ -167,9 +156,9 @@ def _lora_case(stage: int) -> dict:
     rows = [greedy_reference(plain, row.tolist(), 8) for row in PROMPTS]
     out["reference"] = torch.cat([PROMPTS, torch.tensor(rows)], dim=1)
     engine.train()
-    out["losses"] = losses + [_train_step(engine, 1), _train_step(engine, 2)]
+    out["losses"] = losses + [train_step(engine, VOCAB, 1), train_step(engine, VOCAB, 2)]
     without, *_ = shardspeed.initialize(model=lora_model(), config=_config(stage))
-    out["losses without generate"] = [_train_step(without, s) for s in range(3)]
+    out["losses without generate"] = [train_step(without, VOCAB, s) for s in range(3)]
     out["forwards restored"] = all("forward" not in m.__dict__ for m in layers)
     return out
 

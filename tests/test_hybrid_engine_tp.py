@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from harness import run_ranks
-from inference_models import TinyLlama, greedy_reference
+from inference_models import TinyLlama, greedy_reference, train_step
 
 VOCAB = 64
 PROMPTS = torch.tensor([[[5, 9, 3, 17], [8, 2, 30, 11]], [[40, 1, 7, 7], [12, 60, 33, 4]]])  # [rank, 2, 4]
@@ -53,17 +52,6 @@ def _engine(lora: bool = False, stage: int = 3, kv_heads: int = 2, **hybrid):
     torch.manual_seed(0)
     engine, *_ = shardspeed.initialize(model=llama(lora, kv_heads), config=_config(stage, **hybrid))
     return engine
-
-
-def _train_step(engine, step: int) -> float:
-    import torch.distributed as dist
-
-    data = torch.randint(0, VOCAB, (2, 2, 8), generator=torch.Generator().manual_seed(step))[dist.get_rank()]
-    logits = engine(data).logits
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), data[:, 1:].reshape(-1))
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
 
 
 def _reference(engine, prompts, new_tokens: int, lora: bool = False) -> torch.Tensor:
@@ -129,12 +117,12 @@ def _tp_cases() -> dict:
         prompts, attention_mask=torch.ones_like(prompts), max_length=8, synced_gpus=True
     )
     # training continues as without generate, and the next generate decodes the new weights
-    losses = [_train_step(two, 0), _train_step(two, 1)]
+    losses = [train_step(two, VOCAB, 0), train_step(two, VOCAB, 1)]
     out["after steps"] = two.generate(prompts, max_new_tokens=10)
     out["after steps reference"] = _reference(two, prompts, 10)
-    out["losses"] = losses + [_train_step(two, 2)]
+    out["losses"] = losses + [train_step(two, VOCAB, 2)]
     plain = _engine()
-    out["losses without generate"] = [_train_step(plain, s) for s in range(3)]
+    out["losses without generate"] = [train_step(plain, VOCAB, s) for s in range(3)]
     # LoRA: split with the low-rank term folded in
     lora = _engine(lora=True, inference_tp_size=2)
     out["lora"] = lora.generate(prompts, max_new_tokens=10)
