@@ -21,6 +21,8 @@ selective moments, accumulator) is its own, saved per rank by `ZenFlowState` (pa
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shardspeed.config import ConfigError
@@ -78,9 +80,12 @@ class ZenFlowZeroOptimizer(ZeroOptimizer):
             if applied:
                 self.schedule.finish_step(updated=True)
             return applied
-        norm = self._global_norm() if self.compute_grad_norm else 0.0
-        if self.global_norm_hook is not None:
-            norm = self.global_norm_hook(norm)
+        if self.compute_grad_norm:
+            norm = self._global_norm()
+            if self.global_norm_hook is not None:
+                norm = self.global_norm_hook(norm)
+        else:  # as the wrapper's own step: without a norm, inf/nan gradients still skip the step
+            norm = math.inf if self.scaler.check_overflow and self._has_nonfinite() else 0.0
         self.overflow, self.grad_norm, multiplier = step_multiplier(norm, self.scaler, self.clip)
         if not self.compute_grad_norm:
             self.grad_norm = None
