@@ -30,6 +30,19 @@ class OptimizerWrapper:
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary. Returns False when an overflow skipped it."""
+        multiplier = self._step_multiplier()
+        if multiplier is None:
+            return False
+        self._apply(multiplier)
+        self.scaler.update(False)
+        self.zero_grad()
+        return True
+
+    def _step_multiplier(self) -> float | None:
+        """Decide this boundary's step: take the norm (or only check for inf/nan without one), let the loss
+        scaler see it, and return what the gradients are multiplied by (unscale and clip). None when the step is
+        skipped (an overflow: the gradients are already zeroed). Wrappers with their own step (ZenFlow's) start
+        from here, so the skip rule is one rule."""
         if self.compute_grad_norm:
             norm = self._global_norm()
             if self.global_norm_hook is not None:
@@ -41,11 +54,8 @@ class OptimizerWrapper:
             self.grad_norm = None
         if self.overflow:
             self.zero_grad()
-            return False
-        self._apply(multiplier)
-        self.scaler.update(False)
-        self.zero_grad()
-        return True
+            return None
+        return multiplier
 
     @property
     def _global_grad_norm(self) -> float | None:

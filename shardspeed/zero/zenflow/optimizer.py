@@ -21,13 +21,10 @@ selective moments, accumulator) is its own, saved per rank by `ZenFlowState` (pa
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from shardspeed.config import ConfigError
 from shardspeed.config.zero import ZenFlowConfig
-from shardspeed.core.precision import step_multiplier
 from shardspeed.ops.zenflow_adam import ZenFlowSelectiveAdamW
 from shardspeed.zero.optimizer import ZeroOptimizer
 from shardspeed.zero.zenflow.columns import (
@@ -80,17 +77,8 @@ class ZenFlowZeroOptimizer(ZeroOptimizer):
             if applied:
                 self.schedule.finish_step(updated=True)
             return applied
-        if self.compute_grad_norm:
-            norm = self._global_norm()
-            if self.global_norm_hook is not None:
-                norm = self.global_norm_hook(norm)
-        else:  # as the wrapper's own step: without a norm, inf/nan gradients still skip the step
-            norm = math.inf if self.scaler.check_overflow and self._has_nonfinite() else 0.0
-        self.overflow, self.grad_norm, multiplier = step_multiplier(norm, self.scaler, self.clip)
-        if not self.compute_grad_norm:
-            self.grad_norm = None
-        if self.overflow:
-            self.zero_grad()
+        multiplier = self._step_multiplier()
+        if multiplier is None:
             return False
         shards = [g * multiplier for g in self.grads.flat_grads()]
         for total, grad in zip(self.accumulated, self.host_grads.take()):
