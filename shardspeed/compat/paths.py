@@ -471,8 +471,9 @@ PATHS: dict[str, object] = {
         "the MiniMax-M3 AutoEP preset is not offered", True
     ),
     "checkpoint.autoep_universal": NotOffered(
-        "AutoEP checkpoints (per-expert files, their universal conversion) are not built; saving or loading a "
-        "model with AutoEP layers is refused",
+        "the internals of DeepSpeed's universal conversion of AutoEP checkpoints (its per-rank fragment files); "
+        "shardspeed's AutoEP checkpoints (per-expert files) load at another ep size, world size or ZeRO stage "
+        "without conversion, and its ds_to_universal writes no fragment files",
         True,
     ),
 }
