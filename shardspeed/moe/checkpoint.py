@@ -53,19 +53,12 @@ __all__ = [
 ]
 
 _LOCAL = re.compile(r"^(?P<prefix>.*\.deepspeed_experts\.)(?P<index>\d+)(?P<rest>\..*)$")
-DENSE_UNIVERSAL = "moe_dense_universal_states.pt"
+DENSE_UNIVERSAL = files.MOE_DENSE_UNIVERSAL
 
 
-def expert_file_name(layer_id: int, expert_id: int, mp_rank: int = 0) -> str:
-    return f"layer_{layer_id}_expert_{expert_id}_mp_rank_{mp_rank:02d}_model_states.pt"
-
-
-def expert_universal_name(layer_id: int, expert_id: int) -> str:
-    return f"layer_{layer_id}_expert_{expert_id}_universal_states.pt"
-
-
-def optimizer_file_name(dp_rank: int) -> str:
-    return f"moe_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+expert_file_name = files.expert_model_states_name  # the file names live with the others (checkpoint/files.py)
+expert_universal_name = files.expert_universal_name
+optimizer_file_name = files.moe_optim_states_name
 
 
 class MoEModelStates(ModelStates):
