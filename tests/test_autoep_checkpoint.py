@@ -146,6 +146,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def test_autoep_checkpoint_resume_and_reshard(tmp_path):
+    from shardspeed.compat.mirrors import checkpoint_constants as constants
+
     ranks = run_ranks(_save_and_resume, 2, str(tmp_path), timeout=600)
     files = ranks[0]["files"]
     for e in range(EXPERTS):  # one file per expert, global index, as DeepSpeed writes them
@@ -155,9 +157,13 @@ def test_autoep_checkpoint_resume_and_reshard(tmp_path):
     assert expert["model.layers.0.mlp.experts.w1.3"].dim() == 2  # one expert, not the stacked tensor
     model_states = torch.load(tmp_path / "stage2/t/mp_rank_00_model_states.pt", weights_only=True)
     assert not any(".experts." in k for k in model_states["module"])  # experts only in their files
-    (entry,) = model_states["ds_autoep_layers"]
-    assert entry["module_path"] == "model.layers.0.mlp" and entry["num_experts"] == EXPERTS
-    assert entry["num_local_experts"] * entry["ep_size"] == EXPERTS
+    (entry,) = model_states[
+        constants.AUTOEP_LAYERS_KEY
+    ]  # DeepSpeed's entry, under deepspeed.checkpoint's names
+    assert set(constants.AUTOEP_ZERO12_REQUIRED_FIELDS) <= set(entry)
+    assert entry[constants.AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY] == "per_expert_files"
+    assert entry["module_path"] == "model.layers.0.mlp" and entry[constants.AUTOEP_NUM_EXPERTS] == EXPERTS
+    assert entry[constants.AUTOEP_NUM_LOCAL_EXPERTS] * entry[constants.AUTOEP_EP_SIZE] == EXPERTS
     for stage in (0, 2):  # same layout: bit for bit
         for losses, uninterrupted, resumed_losses, resumed in (r[stage] for r in ranks):
             assert resumed_losses == losses, stage
