@@ -461,6 +461,7 @@ PATHS: dict[str, object] = {
     "moe.ep_count": "shardspeed.moe.autoep.router",
     "moe.ep_experts": "shardspeed.moe.autoep.experts",
     "moe.ep_repack": "shardspeed.moe.autoep.repack",
+    "moe.ep_kernels": "shardspeed.moe.autoep.token_permutation",
     "moe.fused_expert_layout": "shardspeed.moe.autoep.experts",
     "module_inject.auto_ep_presets.deepseek_v2": NotOffered(_AUTOEP_FAMILY, True),
     "module_inject.auto_ep_presets.deepseek_v3": NotOffered(_AUTOEP_FAMILY, True),
