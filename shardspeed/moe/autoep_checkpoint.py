@@ -97,6 +97,10 @@ def check_layers_metadata(module, path, saved) -> None:
     ours = [{k: e[k] for k in _CHECKED_FIELDS} for e in layers_metadata_static(module)]
     if saved is None and not ours:
         return
+    if saved is None:
+        raise CheckpointError(
+            f"checkpoint {path} holds no AutoEP layers ({LAYERS_KEY}); the model has {ours}"
+        )
     if not isinstance(saved, list) or not all(isinstance(e, dict) for e in saved):
         raise CheckpointError(f"checkpoint {path}: {LAYERS_KEY} is malformed (expected a list of dicts)")
     theirs = []

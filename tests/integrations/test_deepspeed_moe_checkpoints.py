@@ -120,7 +120,7 @@ def _shardspeed_saves(jobs: list) -> None:
 
 
 def test_shardspeed_moe_checkpoints_resume_in_deepspeed(tmp_path):
-    """shardspeed trains and saves (2 ranks; ep 1 and 2; ZeRO 0-2); `shardspeed-to-deepspeed` writes each save in
+    """shardspeed trains and saves (2 ranks; ep 1 and 2; ZeRO 0-3); `shardspeed-to-deepspeed` writes each save in
     DeepSpeed's MoE layout — at the saved stage, at another stage, and one at 4 ranks; DeepSpeed's
     `load_checkpoint` resumes it and trains the same 3 steps as shardspeed's uninterrupted run (within 1e-6)."""
     from shardspeed.checkpoint.deepspeed_format.write import write_deepspeed_checkpoint
@@ -128,7 +128,7 @@ def test_shardspeed_moe_checkpoints_resume_in_deepspeed(tmp_path):
     saves = {
         (ep, stage, aux): {"ep": ep, "stage": stage, "aux": aux, "save": str(tmp_path / f"ss-ep{ep}-s{stage}-{aux}"),
                            "out": str(tmp_path / f"ss-ep{ep}-s{stage}-{aux}.pt")}
-        for ep, stage, aux in [*[(ep, s, 0.01) for ep, s in SAVED], (2, 2, 0.0)]
+        for ep, stage, aux in [*[(ep, s, 0.01) for ep, s in SAVED], (2, 3, 0.01), (2, 2, 0.0)]
     }  # fmt: skip
     run_ranks(_shardspeed_saves, 2, list(saves.values()), timeout=600)
 
@@ -141,6 +141,8 @@ def test_shardspeed_moe_checkpoints_resume_in_deepspeed(tmp_path):
 
     jobs = [written((ep, s, 0.01), s) for ep, s in SAVED]  # as saved (ep 1 first: DeepSpeed's module globals)
     jobs += [written((2, 2, 0.01), 0), written((2, 0, 0.01), 1), written((1, 2, 0.01), 0)]  # another stage
+    # shardspeed runs MoE at ZeRO-3, DeepSpeed does not: written for ZeRO-2
+    jobs += [written((2, 3, 0.01), 2)]
     jobs += [written((2, 2, 0.0), 2, world=4)]  # 4 ranks: ep 2 over 2 expert-data-parallel ranks
     for world in (2, 4):
         mine = [j for j in jobs if j["world"] == world]
