@@ -3,6 +3,7 @@ layout), bit-exact resume at the same layout, and loading at another ep size, wo
 
 from __future__ import annotations
 
+import pytest
 import torch
 from autoep_common import EXPERTS, LR, build, data
 
@@ -146,6 +147,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def test_autoep_checkpoint_resume_and_reshard(tmp_path):
+    from shardspeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
+    from shardspeed.checkpoint.files import CheckpointError
     from shardspeed.compat.mirrors import checkpoint_constants as constants
 
     ranks = run_ranks(_save_and_resume, 2, str(tmp_path), timeout=600)
@@ -183,6 +186,9 @@ def test_autoep_checkpoint_resume_and_reshard(tmp_path):
         )
         assert _max_diff(state, expected) < 1e-6, layout
 
+    # consolidation reads by name through CheckpointReader, which does not read MoE files: refused, saying so
+    with pytest.raises(CheckpointError, match="model with MoE layers"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "stage2")
     for messages, untouched in run_ranks(_refusals, 2, str(tmp_path), timeout=300):
         assert untouched
         assert "AutoEP layers" in messages[0] and "'num_experts': 8" in messages[0], messages[0]
