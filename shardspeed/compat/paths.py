@@ -84,6 +84,14 @@ PATHS: dict[str, object] = {
     "module_inject.layers.collect_autotp_universal_checkpoint_info": (
         "shardspeed.module_inject.tp_state:universal_checkpoint_info"
     ),
+    "module_inject.layers.GateUpPack_LinearLayer": "shardspeed.module_inject.layers:GateUpPackLinearLayer",
+    "module_inject.layers._build_param_uc_restore_meta": (
+        "shardspeed.module_inject.tp_uc_meta:build_param_uc_restore_meta"
+    ),
+    "module_inject.layers._get_param_uc_conversion_meta": (
+        "shardspeed.module_inject.tp_uc_meta:param_uc_conversion_meta"
+    ),
+    "module_inject.layers._subparam_shard_widths": "shardspeed.module_inject.tp_uc_meta:subparam_shard_widths",
     "checkpoint.ds_to_universal._validate_autotp_conversion_support": (
         "shardspeed.checkpoint.to_universal:validate_autotp_conversion_support"
     ),
