@@ -19,7 +19,7 @@ import torch
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint.deepspeed_format.layout import Zero3Layout
 from shardspeed.checkpoint.files import CheckpointError
-from shardspeed.checkpoint.tp_slices import PARAM, merge_rank_slices
+from shardspeed.checkpoint.tp_slices import PARAM, SUB_PARAM_SHAPE, merge_rank_slices
 
 __all__ = ["is_deepspeed_zero3_tp", "write_zero3_tp_universal"]
 
@@ -102,6 +102,11 @@ def write_zero3_tp_universal(source, output, validate_info) -> None:
         (zero / name).mkdir(exist_ok=True)
         for state in (s for s in per_rank[0] if s != "step"):
             value, extra = merge_rank_slices(info, name, [per_rank[t][state][name] for t in range(tp)], tp)
+            # The fused layout is recorded as plain data: a pickled class would need the library that wrote
+            # it to be read back, and a DeepSpeed AutoTP loader cuts by its parameters' metadata anyway.
+            if SUB_PARAM_SHAPE in extra:
+                fused = extra[SUB_PARAM_SHAPE]
+                extra[SUB_PARAM_SHAPE] = {"shape": fused.shape, "partition_dim": fused.partition_dim}
             torch.save({**extra, PARAM: value}, zero / name / f"{state}.pt")
         if "step" in per_rank[0]:
             torch.save(per_rank[0]["step"], zero / name / "step.pt")
