@@ -80,7 +80,11 @@ def _publish_conversion(info: dict, widths: dict, pattern: str, conversion: dict
     (their shape spec with the parts' sizes at the split dimension, never a count, and each rank's widths)."""
     if conversion.get("replicated"):
         info[_REPLICATED].append(pattern)
-    if conversion.get("partition_type") == "row" and not conversion.get("is_bias"):
+    # DeepSpeed's converter joins a "row-parallel" weight along dim 1 and any other along dim 0: the list is
+    # the weights split along dim 1. That is a row layer's weight in nn.Linear's [out, in] orientation, but a
+    # *column* layer's in Conv1D's [in, out] (GPT-2), which AutoTP keeps as it is (a Conv1D row weight is
+    # split along dim 0, joined by the default).
+    if conversion.get("partition_dim") == 1 and not conversion.get("is_bias"):
         info[_ROW].append(pattern)
     spec, dim = conversion.get("sub_param_shape"), conversion.get("partition_dim")
     if spec is not None and dim is not None:
@@ -96,7 +100,8 @@ def universal_checkpoint_info(module: nn.Module) -> dict:
     """DeepSpeed's `universal_checkpoint_info` for an AutoTP-sharded `module` (its engine stores it on the model
     and in every model-states file), by `^name$` patterns of each parameter's first name:
 
-    - row-parallel: weights of row-parallel layers (merged along their input features);
+    - row-parallel: weights split along dim 1, which DeepSpeed's converter joins there (row-parallel layers'
+      weights, and column-parallel ones of a transposed `Conv1D`);
     - tp-replicated: parameters AutoTP left whole (norms, embeddings, row-parallel biases);
     - sub-params: fused column layers (`[q; k; v]`, `[gate; up]`), with each part's full size at the split
       dimension (`{"patterns", "shape", "partition_dim"}`), and each rank's width of each part
