@@ -64,8 +64,19 @@ def test_merge_rules_row_replicated_vocabulary_and_refusals():
     del no_widths["sub_param_shard_widths"]
     with pytest.raises(AssertionError, match="records no sub_param_shard_widths"):
         tp_slices.merge_rank_slices(no_widths, "qkv", [torch.zeros(8, 2), torch.zeros(4, 2)], 2)
+    # DeepSpeed's affine map beside the lists: one block per rank is what the lists say; several pieces of a
+    # parameter the lists do not describe as fused are refused
+    one_block = {"ranks": {0: {"pieces": [{}]}, 1: {"pieces": [{}]}}}
+    mapped = {
+        **info,
+        "affine_map": {
+            "version": 1,
+            "params": {r"^o$": one_block, r"^x$": {"ranks": {0: {"pieces": [{}, {}]}}}},
+        },
+    }
+    assert tp_slices.merge_rank_slices(mapped, "o", [a, b], 2)[0].shape == (4, 5)
     with pytest.raises(ValueError, match="affine_map"):
-        tp_slices.merge_rank_slices({"affine_map": {"params": {}}}, "x", [a], 1)
+        tp_slices.merge_rank_slices(mapped, "x", [a, a], 2)
 
 
 def _fragments(root, name, rank, value, dp=2):

@@ -31,6 +31,8 @@ import torch
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint import universal_folder as layout
 from shardspeed.checkpoint.deepspeed_format import zero3_tp
+from shardspeed.checkpoint.deepspeed_format.autotp import DeepSpeedAutoTPReader
+from shardspeed.checkpoint.deepspeed_format.read import is_deepspeed_state
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.version import __version__
 
@@ -101,7 +103,12 @@ def main(args=None) -> int:
         return 0
     reader = _open_source(source)
     model_states = layout.read_record_file(layout.model_states_file(reader.path))
-    if int(model_states.get("mp_world_size", 1)) > 1:  # AutoTP shards, merged by the reader: whole values
+    if int(model_states.get("mp_world_size", 1)) > 1 and is_deepspeed_state(model_states):
+        # DeepSpeed's own AutoTP files: each tensor rank's shards, merged by the checkpoint's info
+        validate_autotp_conversion_support(model_states.get(UNIVERSAL_CHECKPOINT_INFO))
+        reader = DeepSpeedAutoTPReader(reader.path, model_states)
+        model_states = reader.whole_model_states()
+    elif int(model_states.get("mp_world_size", 1)) > 1:  # AutoTP shards, merged by the reader: whole values
         from shardspeed.checkpoint.tensor_parallel import whole_model_states
 
         model_states = whole_model_states(model_states)

@@ -19,7 +19,8 @@ checkpoint's `universal_checkpoint_info`, by regular-expression patterns over pa
 over DeepSpeed's intermediate fragment files (`<slices>/<name>/<tp rank>/<state>.<dp rank>`, the layout its
 converter extracts ZeRO partitions into), writing `<out>/<name>/<state>.pt`. `merge_zero_shards` reads one
 state's fragments per tensor rank; `group_per_tp_shapes` sorts the per-file parameter shapes of a
-pipeline x tensor checkpoint by tensor rank. DeepSpeed's affine-map layouts (`affine_map`) are refused by name.
+pipeline x tensor checkpoint by tensor rank. DeepSpeed's `affine_map` (written beside the lists) is not read:
+a parameter it cuts into several pieces per rank without a sub-parameter entry is refused by name.
 """
 
 from __future__ import annotations
@@ -78,11 +79,11 @@ class _Rules:
     converter reports them: a pattern that matches nothing usually names a parameter that was renamed)."""
 
     def __init__(self, info: dict):
-        if info.get(AFFINE_MAP):
-            raise ValueError(
-                f"universal_checkpoint_info.{AFFINE_MAP}: affine-map layouts are not supported by shardspeed's "
-                "converter; convert this checkpoint with the DeepSpeed version that wrote it"
-            )
+        affine = info.get(AFFINE_MAP) or {}
+        if affine and int(affine.get("version", 1)) > 1:
+            raise ValueError(f"universal_checkpoint_info.{AFFINE_MAP}: version {affine['version']} is newer than "
+                             "the version 1 shardspeed reads")  # fmt: skip
+        self.affine = affine.get("params") or {}
         self.info = info
         self.sub_params = [SubparamShape(**entry) for entry in info.get(SUB_PARAMS, [])]
         self.version = float(info.get(VERSION, 0.0))
@@ -97,6 +98,22 @@ class _Rules:
         if found:
             self.unmatched.discard(found[0])
         return found[0] if found else None
+
+    def check_affine(self, name: str) -> None:
+        """DeepSpeed 0.19.8 publishes an affine map (each rank's pieces of the whole value) beside the pattern
+        lists, which it keeps for converters that do not read maps. The lists describe a parameter held as one
+        block per rank, or fused parts listed as sub-parameters; a map cutting a rank's shard into several
+        pieces of anything else describes a layout only the map knows, which is refused by name."""
+        for pattern, layout in self.affine.items():
+            if not re.match(pattern, name):
+                continue
+            ranks = (layout or {}).get("ranks", {})
+            pieced = any(len(r.get("pieces", [])) > 1 for r in ranks.values())
+            if pieced and self.match_sub_params(name)[0] is None:
+                raise ValueError(
+                    f"{name}: its layout is described only by DeepSpeed's {AFFINE_MAP} (several pieces per "
+                    "rank, no sub-parameter entry), which shardspeed's converter does not read"
+                )
 
     def match_sub_params(self, name: str):
         for entry in self.sub_params:
@@ -187,6 +204,7 @@ def merge_rank_slices(info: dict, name: str, slices: list, tp_degree: int, rules
     by `info`'s rules; None where there is nothing to merge (no slices: ZeRO keeps no optimizer state for a
     parameter that never had a gradient)."""
     rules = rules or _Rules(info)
+    rules.check_affine(name)
     extra = {}
     sub_entry, sub_pattern = rules.match_sub_params(name)
     if rules.match(REPLICATED, name):
