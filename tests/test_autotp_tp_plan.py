@@ -301,11 +301,14 @@ def test_universal_checkpoint_info_and_deepspeed_layer_form_on_one_rank():
 
     packed = nn.Module()
     packed.qkv = SubParamLinearLayer(nn.Linear(4, 12), None, shape=((6, 3, 3), -1), partition_dim=0)
-    entries = universal_checkpoint_info(packed)["parameter_with_sub_params"]
+    packed_info = universal_checkpoint_info(packed)
+    entries = packed_info["parameter_with_sub_params"]
+    # the shape spec as given, the parts' sizes at the split dimension, and each rank's width of each part
     assert [(e["patterns"], e["shape"], e["partition_dim"]) for e in entries] == [
-        ([r"^qkv\.weight$"], [(6, 3, 3), 4], 0),
+        ([r"^qkv\.weight$"], [(6, 3, 3), -1], 0),
         ([r"^qkv\.bias$"], [(6, 3, 3)], 0),
     ]
+    assert packed_info["sub_param_shard_widths"][r"^qkv\.weight$"] == [[6], [3], [3]]
     with pytest.raises(ValueError, match="do not add up"):
         SubParamLinearLayer(nn.Linear(4, 12), None, shape=((6, 3), -1))
     with pytest.raises(TypeError, match="gather_output"):

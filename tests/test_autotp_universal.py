@@ -1,7 +1,8 @@
 """Universal checkpoints of AutoTP runs: a tp 2 run (ZeRO 1, fp32) is saved, converted with ds_to_universal
 (no --inject_missing_state: the engine writes the AutoTP layout's `universal_checkpoint_info`), and loaded
 with `checkpoint.load_universal` at tp 1 (2 data-parallel ranks) and at tp 2; both continue equal (1e-6) to
-the run that never stopped. The info names the row-parallel, replicated and fused (sub-parameter) entries;
+the run that never stopped; the loaded shards agree with what DeepSpeed's readers make of the layers'
+per-parameter metadata and the info (cut and merge). The info names the row-parallel, replicated and fused (sub-parameter) entries;
 a checkpoint whose info lists layouts that cannot be merged is refused before anything is written."""
 
 from harness import run_ranks
@@ -52,6 +53,7 @@ def universal_job(tmp):
 
     at_tp2 = engine_at(2, 1, 2, universal=True)
     at_tp2.load_checkpoint(save_dir, tag="t_universal")
+    metadata_checked = check_layer_metadata(at_tp2, os.path.join(save_dir, "t_universal", "zero"), info)
     tp_common.train(at_tp2, batches[STEPS_BEFORE:], 2)
     tp2_state = tp_full_state_dict(at_tp2.module, at_tp2.tensor_parallel.group)
     at_tp2.destroy()
@@ -59,7 +61,35 @@ def universal_job(tmp):
         tp1=tp_common.max_diff(tp1_state, never_stopped),
         tp2=tp_common.max_diff(tp2_state, never_stopped),
         info=info,
+        metadata_checked=metadata_checked,
     )
+
+
+def check_layer_metadata(engine, zero_dir, info) -> int:
+    """The loaded tp 2 engine against DeepSpeed's two readers of the AutoTP layout: each parameter's
+    metadata cuts exactly this rank's loaded shard out of the universal value (its restore), and the info
+    merges the ranks' shards back into that value (its converter). Returns the parameters checked."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from shardspeed.checkpoint.tp_restore import param_uc_restore_meta, resolve_autotp_partition
+    from shardspeed.checkpoint.tp_slices import merge_rank_slices
+
+    group, rank = engine.tensor_parallel.group, dist.get_rank(engine.tensor_parallel.group)
+    checked = 0
+    for name, param in engine.module.named_parameters():
+        if param_uc_restore_meta(param) is None:
+            continue
+        whole = torch.load(os.path.join(zero_dir, name, "fp32.pt"))["param"]
+        cut = resolve_autotp_partition(param, {}, whole, rank, 2)
+        assert torch.equal(cut, param.detach().flatten()), name
+        shards = [torch.empty_like(param) for _ in range(2)]
+        dist.all_gather(shards, param.detach().contiguous(), group=group)
+        assert torch.equal(merge_rank_slices(info, name, shards, 2)[0], whole), name
+        checked += 1
+    return checked
 
 
 def test_autotp_universal_checkpoint_loads_at_tp1_and_tp2(tmp_path):
@@ -68,8 +98,14 @@ def test_autotp_universal_checkpoint_loads_at_tp1_and_tp2(tmp_path):
     results = run_ranks(universal_job, 2, str(tmp_path))
     for out in results:
         assert out["tp1"] < 1e-6 and out["tp2"] < 1e-6, out
+        assert out["metadata_checked"] >= 8, out[
+            "metadata_checked"
+        ]  # c_attn, c_proj, c_fc, mlp c_proj (+ biases)
         info = out["info"]
-        assert r"^h\.0\.attn\.c_proj\.weight$" in info[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS]
+        # the list DeepSpeed's converter joins along dim 1: in Conv1D's [in, out] orientation that is the
+        # column-parallel c_fc, not the row-parallel c_proj (split along its input features, dim 0)
+        row_list = info[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS]
+        assert r"^h\.0\.mlp\.c_fc\.weight$" in row_list and r"^h\.0\.attn\.c_proj\.weight$" not in row_list
         assert r"^h\.0\.attn\.c_proj\.bias$" in info[c.TP_REPLICATED_PARAMETER_PATTERNS]
         assert r"^h\.0\.attn\.c_attn\.weight$" not in info[c.TP_REPLICATED_PARAMETER_PATTERNS]
         fused = {tuple(e["patterns"]): e for e in info[c.PARAMETER_WITH_SUB_PARAMS]}

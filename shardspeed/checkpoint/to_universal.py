@@ -30,6 +30,9 @@ import torch
 
 from shardspeed.checkpoint import files
 from shardspeed.checkpoint import universal_folder as layout
+from shardspeed.checkpoint.deepspeed_format import zero3_tp
+from shardspeed.checkpoint.deepspeed_format.autotp import DeepSpeedAutoTPReader
+from shardspeed.checkpoint.deepspeed_format.read import is_deepspeed_state
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.version import __version__
 
@@ -41,6 +44,10 @@ UNIVERSAL_CHECKPOINT_VERSION = {"universal_checkpoint_version": 0.4}  # what Dee
 # The `ds_version` of the optimizer state written: the DeepSpeed format it follows (DeepSpeed's loader
 # checks it against the versions whose ZeRO-1 layout it reads).
 DS_FORMAT_VERSION = "0.19.8"
+
+
+# the required options, given so the parser yields every default for a caller-built namespace to override
+_REQUIRED_PLACEHOLDERS = ["--input_folder", "", "--output_folder", ""]
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -76,8 +83,10 @@ def _open_source(tag_dir: Path):
 
 def main(args=None) -> int:
     """The command (`args`: a parsed namespace, as DeepSpeed's `main(args)` takes, or argv, or None)."""
-    if not isinstance(args, argparse.Namespace):
+    if args is None or isinstance(args, (list, tuple)):
         args = parse_arguments(args)
+    else:  # a namespace built by the caller (DeepSpeed's tests pass a SimpleNamespace): the options it omits
+        args = argparse.Namespace(**{**vars(parse_arguments(_REQUIRED_PLACEHOLDERS)), **vars(args)})
     if getattr(args, "keep_temp_folder", False):
         raise SystemExit(
             "ds_to_universal: --keep_temp_folder is not supported: shardspeed assembles each parameter in memory "
@@ -88,9 +97,18 @@ def main(args=None) -> int:
             raise SystemExit(f"ds_to_universal: --{name} must be at least 1, got {getattr(args, name)}")
     source, output = Path(args.input_folder), Path(args.output_folder)
     print(f"Converting checkpoint {source} to a universal checkpoint in {output}")
+    if zero3_tp.is_deepspeed_zero3_tp(source):  # DeepSpeed's own ZeRO-3 + AutoTP files: merged by their info
+        zero3_tp.write_zero3_tp_universal(source, output, validate_autotp_conversion_support)
+        print(f"Wrote {output} and {output.parent / layout.LATEST_UNIVERSAL}")
+        return 0
     reader = _open_source(source)
     model_states = layout.read_record_file(layout.model_states_file(reader.path))
-    if int(model_states.get("mp_world_size", 1)) > 1:  # AutoTP shards, merged by the reader: whole values
+    if int(model_states.get("mp_world_size", 1)) > 1 and is_deepspeed_state(model_states):
+        # DeepSpeed's own AutoTP files: each tensor rank's shards, merged by the checkpoint's info
+        validate_autotp_conversion_support(model_states.get(UNIVERSAL_CHECKPOINT_INFO))
+        reader = DeepSpeedAutoTPReader(reader.path, model_states)
+        model_states = reader.whole_model_states()
+    elif int(model_states.get("mp_world_size", 1)) > 1:  # AutoTP shards, merged by the reader: whole values
         from shardspeed.checkpoint.tensor_parallel import whole_model_states
 
         model_states = whole_model_states(model_states)

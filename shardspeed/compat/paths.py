@@ -84,16 +84,31 @@ PATHS: dict[str, object] = {
     "module_inject.layers.collect_autotp_universal_checkpoint_info": (
         "shardspeed.module_inject.tp_state:universal_checkpoint_info"
     ),
+    "module_inject.layers.GateUpPack_LinearLayer": "shardspeed.module_inject.layers:GateUpPackLinearLayer",
+    "module_inject.layers._build_param_uc_restore_meta": (
+        "shardspeed.module_inject.tp_uc_meta:build_param_uc_restore_meta"
+    ),
+    "module_inject.layers._get_param_uc_conversion_meta": (
+        "shardspeed.module_inject.tp_uc_meta:param_uc_conversion_meta"
+    ),
+    "module_inject.layers._subparam_shard_widths": "shardspeed.module_inject.tp_uc_meta:subparam_shard_widths",
     "checkpoint.ds_to_universal._validate_autotp_conversion_support": (
         "shardspeed.checkpoint.to_universal:validate_autotp_conversion_support"
     ),
-    "checkpoint.ds_to_universal._group_per_tp_shapes": NotOffered(
-        "an internal of DeepSpeed's converter (per-rank fragment files); shardspeed's ds_to_universal merges each "
-        "parameter by name in memory"
+    "checkpoint.ds_to_universal._group_per_tp_shapes": "shardspeed.checkpoint.tp_slices:group_per_tp_shapes",
+    "checkpoint.ds_to_universal.merge_tp_slices": "shardspeed.checkpoint.tp_slices:merge_tp_slices",
+    "checkpoint.ds_to_universal._merge_zero_shards": "shardspeed.checkpoint.tp_slices:merge_zero_shards",
+    "checkpoint.ds_to_universal._resolve_logical_shape": "shardspeed.checkpoint.tp_slices:resolve_logical_shape",
+    "checkpoint.universal_checkpoint.SubparamShape": "shardspeed.checkpoint.tp_slices:SubparamShape",
+    "checkpoint.universal_checkpoint._get_param_uc_restore_meta": (
+        "shardspeed.checkpoint.tp_restore:param_uc_restore_meta"
     ),
-    "checkpoint.ds_to_universal.merge_tp_slices": NotOffered(
-        "an internal of DeepSpeed's converter (per-rank fragment files); shardspeed's ds_to_universal merges each "
-        "parameter by name in memory"
+    "checkpoint.universal_checkpoint._narrow_sub_params": "shardspeed.checkpoint.tp_restore:narrow_sub_params",
+    "checkpoint.universal_checkpoint._resolve_autotp_partition": (
+        "shardspeed.checkpoint.tp_restore:resolve_autotp_partition"
+    ),
+    "checkpoint.universal_checkpoint.load_hp_checkpoint_state": (
+        "shardspeed.checkpoint.tp_restore:load_hp_checkpoint_state"
     ),
     "checkpoint.universal_checkpoint": NotOffered(
         "DeepSpeed's per-parameter universal-checkpoint loading internals; load_universal reads a universal "

@@ -191,10 +191,9 @@ _NAMES_NOT_OFFERED = {
         "ZenFlow's overlapped variant (its optimizer process) is not built",
     ),
     "module_inject.layers": (
-        "GateUpPack_LinearLayer LmHeadLinearAllreduce SubParamLinearAllreduce "
+        "LmHeadLinearAllreduce SubParamLinearAllreduce "
         "Yuan_LinearAllreduce Yuan_LinearLayer fused_LinearLayer "
-        "is_autotp_training_mode set_autotp_mode _build_param_uc_restore_meta _get_param_uc_conversion_meta "
-        "_subparam_shard_widths",
+        "is_autotp_training_mode set_autotp_mode",
         _AUTOTP_INTERNAL,
     ),
     "ops.op_builder": ("CUDAOpBuilder TorchCPUOpBuilder", KERNELS),

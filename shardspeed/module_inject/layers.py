@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardspeed.module_inject import tp_uc_meta
 from shardspeed.module_inject.tp_comm import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -33,6 +34,7 @@ from shardspeed.module_inject.tp_comm import (
 )
 
 __all__ = [
+    "GateUpPackLinearLayer",
     "LinearAllreduce",
     "LinearLayer",
     "SubParamLinearLayer",
@@ -83,9 +85,19 @@ def gather_shards(shards: list[torch.Tensor], part: TPPartition) -> torch.Tensor
 
 
 def _sharded_parameter(full: torch.Tensor, part: TPPartition, rank: int, requires_grad: bool) -> nn.Parameter:
+    if part.tp_size == 1 and isinstance(full, nn.Parameter):
+        # one rank: nothing to split, so the module's own parameter is kept (no copy; a ZeRO-3 partitioned
+        # parameter, whose local data is empty, keeps its partitioning as is)
+        full.tp_partition = part
+        return full
     param = nn.Parameter(shard_tensor(full.detach(), part, rank).clone(), requires_grad=requires_grad)
     param.tp_partition = part
     return param
+
+
+def _whole_shape(param) -> tuple:
+    """A parameter's shape before ZeRO-3 partitioned it (`ds_shape`), else its shape."""
+    return tuple(getattr(param, "ds_shape", None) or param.shape)
 
 
 def _segments_from_shape(module: nn.Module, options: dict):
@@ -97,7 +109,7 @@ def _segments_from_shape(module: nn.Module, options: dict):
     if dim not in (0, None):
         raise ValueError(f"partition_dim={dim!r}: a column layer's sub-parameters are split along dim 0")
     parts = tuple(shape[0]) if isinstance(shape[0], (list, tuple)) else shape[0]
-    size = module.weight.shape[1 if type(module).__name__ == "Conv1D" else 0]
+    size = _whole_shape(module.weight)[1 if type(module).__name__ == "Conv1D" else 0]
     if isinstance(parts, int):
         if parts < 1 or size % parts:
             raise ValueError(f"shape={shape!r}: {size} output features do not split into {parts} equal parts")
@@ -116,13 +128,14 @@ class _TPLinear(nn.Module):
     """
 
     def __init__(self, weight, bias=None, group=None, transposed: bool = False, **deepspeed_options):
-        name, gather = None, False
+        name, gather, spec = None, False, None
         if isinstance(weight, nn.Module):  # DeepSpeed's form: the second positional argument is mp_group
             module, group = weight, deepspeed_options.pop("mp_group", bias)
             name = deepspeed_options.pop("name", None)
             segments = None
             if isinstance(self, LinearLayer):
                 gather = bool(deepspeed_options.pop("gather_output", False))
+                spec = deepspeed_options.get("shape")
                 segments = _segments_from_shape(module, deepspeed_options)
             if deepspeed_options.pop("skip_partition", False):
                 raise ValueError(
@@ -146,7 +159,63 @@ class _TPLinear(nn.Module):
             self.gather_output = True
         self.transposed = transposed  # Conv1D orientation: weight is [in, out]
         out_dim, in_dim = (1, 0) if transposed else (0, 1)
-        self.in_features, self.out_features = weight.shape[in_dim], weight.shape[out_dim]
+        local = _whole_shape(weight)  # this rank's shape (a ZeRO-3 partitioned parameter: its ds_shape)
+        self.in_features, self.out_features = local[in_dim], local[out_dim]
+        self._init_uc_layout(spec)
+
+    # -- universal-checkpoint metadata (module_inject/tp_uc_meta.py) ------------------------------------------
+    # DeepSpeed's names: `_orig_weight_shape` / `_orig_bias_shape` (whole shapes), `_partition_sizes` (each
+    # rank's width along the split dimension), `_subparam_sizes` / `_subparam_shard_widths` (fused parts and
+    # each rank's width of each), `_freeze_partition_sizes`, `_mark_uc_metadata`.
+    partition_dim = 0  # the weight dimension split over the ranks (set per instance)
+
+    def _init_uc_layout(self, spec) -> None:
+        part = getattr(self.weight, "tp_partition", None)
+        self.partition_dim = part.dim if part is not None else 0
+        self._orig_weight_shape = self._whole(self.weight)
+        self._orig_bias_shape = self._whole(self.bias) if self.bias is not None else None
+        segments = (
+            tuple(part.segments) if part is not None else (self._orig_weight_shape[self.partition_dim],)
+        )
+        self._subparam_sizes = segments if len(segments) > 1 else None
+        if self._subparam_sizes is not None and spec is None:  # fused by AutoTP: the parts at the split dim
+            spec = list(self._orig_weight_shape)
+            spec[self.partition_dim] = segments
+        self._subparam_shape_spec = spec
+        self._freeze_partition_sizes(self._orig_weight_shape[self.partition_dim])
+        self._mark_uc_metadata()
+
+    def _whole(self, param) -> tuple:
+        """The whole (unsplit) shape of one of this layer's parameters."""
+        part = getattr(param, "tp_partition", None)
+        shape = list(_whole_shape(param))
+        if part is not None and part.tp_size > 1 and len(shape) > part.dim:
+            shape[part.dim] = sum(part.segments)
+        return tuple(shape)
+
+    def _freeze_partition_sizes(self, total_size: int) -> tuple:
+        """Each rank's width of the split dimension (`total_size` whole) at this layer's tensor degree, fused
+        parts split one by one; recorded once, read by the metadata."""
+        if self._subparam_sizes is not None:
+            self._subparam_shard_widths = tp_uc_meta.subparam_shard_widths(
+                self._subparam_sizes, self.tp_world_size
+            )
+            self._partition_sizes = tuple(sum(w[r] for w in self._subparam_shard_widths)
+                                          for r in range(self.tp_world_size))  # fmt: skip
+        else:
+            self._subparam_shard_widths = None
+            self._partition_sizes = tuple(tp_uc_meta.even_split(total_size, self.tp_world_size))
+        return self._partition_sizes
+
+    def _subparam_spec_for(self, whole_shape: tuple):
+        """The fused parts' shape spec for a parameter of `whole_shape` (the bias: its one dimension)."""
+        spec = self._subparam_shape_spec
+        if spec is None:
+            return None
+        return tuple(spec)[: len(whole_shape)] if len(whole_shape) < len(tuple(spec)) else tuple(spec)
+
+    def _mark_uc_metadata(self) -> None:
+        raise NotImplementedError
 
     @property
     def mp_group(self):
@@ -171,7 +240,7 @@ class LinearLayer(_TPLinear):
         weight = module.weight
         out_dim = 1 if transposed else 0
         tp = group_size(group)
-        part = TPPartition(out_dim, tuple(segments or (weight.shape[out_dim],)), tp)
+        part = TPPartition(out_dim, tuple(segments or (_whole_shape(weight)[out_dim],)), tp)
         part.check(f"{type(module).__name__} (column-parallel output features)")
         w = _sharded_parameter(weight, part, rank, weight.requires_grad)
         b = None
@@ -184,6 +253,29 @@ class LinearLayer(_TPLinear):
     @classmethod
     def from_module(cls, module: nn.Module, group, rank: int, segments=None, transposed: bool = False):
         return cls(*cls._shard_module(module, group, rank, transposed, segments), group, transposed)
+
+    def _mark_uc_metadata(self) -> None:
+        """Column-parallel: weight and bias split along the output features (part by part when fused)."""
+        for param, whole, is_bias in ((self.weight, self._orig_weight_shape, False),
+                                      (self.bias, self._orig_bias_shape, True)):  # fmt: skip
+            if param is None:
+                continue
+            dim = 0 if is_bias else self.partition_dim
+            fused = self._subparam_sizes is not None
+            tp_uc_meta.set_param_uc_meta(
+                param,
+                partition_type="column",
+                partition_dim=dim,
+                logical_shape=whole,
+                output_shape=(whole[dim],),
+                sub_param_shape=self._subparam_spec_for(whole) if fused else None,
+                sub_param_sizes=self._subparam_sizes,
+                sub_param_shard_widths=self._subparam_shard_widths,
+                partition_sizes=None if fused else self._partition_sizes,
+                target_partition_shape=tuple(param.shape),
+                original_shape=whole,
+                is_bias=is_bias,
+            )
 
     input_copy = None  # a SharedInputCopy shared with sibling column layers (set by AutoTP), or None
     gather_output = False  # True: the output is all-gathered, every rank gets all features (one fused part)
@@ -200,6 +292,24 @@ class SubParamLinearLayer(LinearLayer):
     `SubParamLinearLayer(module, mp_group, shape=(3, -1), partition_dim=0)` is a `LinearLayer` with segments."""
 
 
+class GateUpPackLinearLayer(LinearLayer):
+    """A column layer over a packed `[gate; up]` projection (DeepSpeed's `GateUpPack_LinearLayer`): the two
+    halves are split separately, so each rank holds its slice of both. `GateUpPackLinearLayer(module,
+    mp_group, name=None)`."""
+
+    def __init__(self, module: nn.Module, mp_group=None, **options):
+        if "shape" in options:
+            raise TypeError("GateUpPackLinearLayer: shape is fixed (two equal halves of the output features)")
+        transposed = type(module).__name__ == "Conv1D"
+        whole = _whole_shape(module.weight)
+        out, inputs = (whole[1], whole[0]) if transposed else (whole[0], whole[1])
+        if out % 2:
+            raise ValueError(
+                f"GateUpPackLinearLayer: {out} output features do not split into gate and up halves"
+            )
+        super().__init__(module, mp_group, shape=((out // 2, out // 2), inputs), **options)
+
+
 class LinearAllreduce(_TPLinear):
     """Row-parallel linear: this rank's input features; outputs summed over the group, bias added once."""
 
@@ -207,20 +317,43 @@ class LinearAllreduce(_TPLinear):
     def _shard_module(module: nn.Module, group, rank: int, transposed: bool):
         weight = module.weight
         in_dim = 0 if transposed else 1
-        part = TPPartition(in_dim, (weight.shape[in_dim],), group_size(group))
+        part = TPPartition(in_dim, (_whole_shape(weight)[in_dim],), group_size(group))
         part.check(f"{type(module).__name__} (row-parallel input features)")
         w = _sharded_parameter(weight, part, rank, weight.requires_grad)
         bias = getattr(module, "bias", None)
-        b = (
-            nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
-            if bias is not None
-            else None
-        )
+        b = bias
+        if bias is not None and part.tp_size > 1:  # whole on every rank: this rank's own copy
+            b = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         return w, b
 
     @classmethod
     def from_module(cls, module: nn.Module, group, rank: int, transposed: bool = False):
         return cls(*cls._shard_module(module, group, rank, transposed), group, transposed)
+
+    def _mark_uc_metadata(self) -> None:
+        """Row-parallel: the weight split along its input features; the bias whole on every rank."""
+        whole = self._orig_weight_shape
+        tp_uc_meta.set_param_uc_meta(
+            self.weight,
+            partition_type="row",
+            partition_dim=self.partition_dim,
+            logical_shape=whole,
+            output_shape=(whole[1 - self.partition_dim],),
+            partition_sizes=self._partition_sizes,
+            target_partition_shape=tuple(self.weight.shape),
+            original_shape=whole,
+        )
+        if self.bias is not None:
+            bias = self._orig_bias_shape
+            tp_uc_meta.set_param_uc_meta(
+                self.bias,
+                partition_type="row",
+                logical_shape=bias,
+                output_shape=bias,
+                original_shape=bias,
+                is_bias=True,
+                replicated=True,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = reduce_from_tensor_parallel(self._matmul(x), self.tp_group)

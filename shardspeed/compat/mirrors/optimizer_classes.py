@@ -86,7 +86,35 @@ class ZeroParameterOffload(metaclass=_WrapperCheck):
         return isinstance(wrapper, ParameterOffload) or (_stage(wrapper) == 3 and wrapper.evaluation_only)
 
 
-class ZeroStage12Optimizer(metaclass=_WrapperCheck):
+class _UniversalCheckpointLinks:
+    """DeepSpeed's `_enable_universal_checkpoint` of its ZeRO-1/2 and BF16 wrappers, over their own attribute
+    (`bit16_groups` / `bf16_groups`: the low-precision parameters by group) on an instance made without
+    `__init__` (`object.__new__`, as code driving DeepSpeed's internals does): binds each parameter's
+    `load_hp_checkpoint_state` (checkpoint/tp_restore.py) and keeps the first `universal_checkpoint_info`
+    a parameter carries (AutoTP puts it there), so `_get_universal_checkpoint_info` still answers after the
+    parameters drop it. shardspeed's own wrappers record that info on the model instead."""
+
+    _groups_attribute = ""
+
+    def _enable_universal_checkpoint(self) -> None:
+        import types
+
+        from shardspeed.checkpoint.tp_restore import load_hp_checkpoint_state
+
+        self._universal_checkpoint_info = None
+        for group in getattr(self, self._groups_attribute):
+            for param in group:
+                info = getattr(param, "universal_checkpoint_info", None)
+                if self._universal_checkpoint_info is None and info is not None:
+                    self._universal_checkpoint_info = info
+                param.load_hp_checkpoint_state = types.MethodType(load_hp_checkpoint_state, param)
+
+    def _get_universal_checkpoint_info(self):
+        return getattr(self, "_universal_checkpoint_info", None)
+
+
+class ZeroStage12Optimizer(_UniversalCheckpointLinks, metaclass=_WrapperCheck):
+    _groups_attribute = "bit16_groups"
     deepspeed_name = "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
 
     @staticmethod
@@ -113,7 +141,8 @@ class FP16UnfusedOptimizer(metaclass=_WrapperCheck):
         return (param == torch.float16 and not _adam_family(wrapper)) or (param == accum == torch.bfloat16)
 
 
-class BF16Optimizer(metaclass=_WrapperCheck):
+class BF16Optimizer(_UniversalCheckpointLinks, metaclass=_WrapperCheck):
+    _groups_attribute = "bf16_groups"
     deepspeed_name = "runtime.bf16_optimizer.BF16_Optimizer"
 
     @staticmethod
