@@ -251,3 +251,43 @@ def test_digest_changes_with_any_field_and_divergence_is_reported(monkeypatch):
     assert calls == []
     with pytest.raises(RuntimeError, match="routing decisions differ"):
         dispatch.assert_tp_payload_consistent(_payload(), tp_group=None, tp_size=2)
+
+
+def test_a_layer_bound_to_folding_handles_runs_folded_on_their_groups(monkeypatch):
+    from autoep_common import build
+
+    from shardspeed.moe.autoep import AutoEP, parse_autoep_config
+    from shardspeed.moe.autoep.folding import FoldingGroupHandles
+
+    block = {"enabled": True, "autoep_size": 2, "validate_folding_routing": True}
+    auto_ep = AutoEP(build(), parse_autoep_config(block))
+    layer = auto_ep.replace_moe_layer(auto_ep.ep_parser()[0], ep_size=2, ep_rank=0)
+    spec = build_folding_spec(world_size=4, pp_size=1, tp_size=2, ep_size=2)
+    local = local_folding_ranks(3, spec)
+    handles = FoldingGroupHandles(
+        spec,
+        "tp",
+        "dense",
+        "ep",
+        "edp",
+        "ep_size_2",
+        local["tp"],
+        local["dense_dp"],
+        local["ep"],
+        local["edp"],
+    )
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 3)
+    layer.set_deepspeed_parallelism(folding_group_handles=handles)
+    assert layer.folding_group_handles is handles and layer.folding.validate_routing
+    assert (layer.tp_group, layer.ep_group, layer.ep_rank, layer.ep_group_name) == (
+        "tp",
+        "ep",
+        1,
+        "ep_size_2",
+    )
+    router = layer.router.gate.weight
+    assert grads.autoep_folding_gradient_reduction_strategy(spec, router) == "average"
+    assert router.ds_autoep_folding_param_family == grads.AUTOEP_FOLDING_ROUTER_GATE_REPLICATED_PARAM
+    wrong = build_folding_spec(world_size=4, pp_size=1, tp_size=2, ep_size=4)
+    with pytest.raises(ValueError, match="autoep_size=4 given to a layer of ep_size=2"):
+        layer.set_deepspeed_parallelism(folding_group_handles=FoldingGroupHandles(wrong, *[None] * 9))

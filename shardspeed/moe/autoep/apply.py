@@ -40,11 +40,10 @@ def apply_autoep(
             "expert_parallel with ZeRO stage 3 is not supported: AutoEP's expert weights are not partitioned "
             "by ZeRO-3 here; use ZeRO stage 0, 1 or 2"
         )
-    if config.enabled and tp_size > 1:
-        raise ValueError(
-            f"expert_parallel with tensor_parallel.autotp_size={tp_size} (AutoEP folded into AutoTP groups) is not "
-            "built; use autotp_size 1"
-        )
+    if config.enabled and tp_size > 1:  # expert parallelism folded onto the tensor-parallel ranks
+        from shardspeed.moe.autoep.folded_layer import apply_folded_autoep
+
+        return apply_folded_autoep(module, config, mpu=mpu, tp_size=tp_size, zero_stage=zero_stage)
     dp_world = len(data_parallel_slices(mpu)[0]) if config.enabled else 1
     validate_autoep_config(
         config, world_size=dp_world, pp_size=1, tp_size=1, sp_size=1, zero_stage=zero_stage
