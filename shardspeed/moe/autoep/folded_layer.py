@@ -25,6 +25,7 @@ lanes' output gradients, so what lies before it receives `t` times its gradient 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,15 @@ from shardspeed.moe.autoep.folding import (
 )
 from shardspeed.moe.autoep.folding_grads import mark_autoep_folding_router_parameter
 
-__all__ = ["FoldedDispatch", "apply_folded_autoep", "build_folding_groups"]
+__all__ = ["FoldedDispatch", "build_folding_groups"]
+
+
+class _Share(NamedTuple):
+    """This lane's share of the routing, as `AutoEPMoELayer._dispatch_and_run` reads a `RouterOutput`."""
+
+    top_scores: torch.Tensor | None
+    selected_experts: torch.Tensor
+    num_tokens_per_expert: torch.Tensor
 
 
 def build_folding_groups(spec: ParallelFoldingSpec, tp_group, dense_dp_group):
@@ -109,8 +118,6 @@ class FoldedDispatch:
             mark_autoep_folding_router_parameter(param)
 
     def forward(self, layer, hidden_states: torch.Tensor):
-        from shardspeed.moe.autoep.layer import RouterOutput
-
         tp_group, lanes = self.handles.tp_group, self.tp_size
         bsz, seqlen, hdim = hidden_states.shape
         x = average_gradient_over_tp(hidden_states.reshape(-1, hdim), tp_group, lanes)
@@ -128,7 +135,7 @@ class FoldedDispatch:
         if layer.score_apply == "pre":  # weighted before the experts (in fp32), as the unfolded layer does
             rows = (rows.float() * weights.index_select(0, ctx.local_indices)[:, None].float()).to(rows.dtype)
         share_counts = torch.bincount(local.expert_indices, minlength=layer.num_experts)
-        results = layer._dispatch_and_run(rows, RouterOutput(None, local.expert_indices, share_counts))
+        results = layer._dispatch_and_run(rows, _Share(None, local.expert_indices, share_counts))
         # summed in fp32, as the unfolded combine does, then back to the activations' dtype
         restored = restore_combined(
             results.float(), ctx, tp_group=tp_group, validate_coverage=self.validate_routing
@@ -160,33 +167,3 @@ class FoldedDispatch:
         )
         payload.output_splits = list(payload.input_splits)
         return payload, weights
-
-
-def apply_folded_autoep(module, config, *, mpu, tp_size: int, zero_stage: int = 0) -> list:
-    """Replace `module`'s MoE blocks by AutoEP layers folded onto the AutoTP grid `mpu` (tensor degree
-    `tp_size`); return the layers. Collective (creates the layout's groups)."""
-    from shardspeed.core.layout import tensor_group
-    from shardspeed.moe.autoep.detect import AutoEP
-    from shardspeed.moe.autoep.folding import build_folding_spec
-    from shardspeed.moe.autoep.validate import validate_autoep_config, validate_autoep_post_detection
-
-    if mpu is None:
-        raise ValueError(
-            f"expert_parallel folded onto tensor_parallel.autotp_size={tp_size} needs the tensor-parallel grid "
-            "deepspeed.initialize builds for that block"
-        )
-    world = dist.get_world_size()
-    validate_autoep_config(
-        config, world_size=world, pp_size=1, tp_size=tp_size, sp_size=1, zero_stage=zero_stage, mpu=mpu
-    )
-    auto_ep = AutoEP(module, config)
-    specs = auto_ep.ep_parser()
-    if not specs:
-        raise ValueError("expert_parallel is enabled but the model has no MoE block AutoEP recognises")
-    validate_autoep_post_detection(config, specs)
-    spec = build_folding_spec(world_size=world, pp_size=1, tp_size=tp_size, ep_size=config.autoep_size)
-    handles, groups = build_folding_groups(spec, tensor_group(mpu), mpu.get_data_parallel_group())
-    layers = auto_ep.replace_moe_layers(specs, config.autoep_size, groups[handles.ep_group_name].ep_rank)
-    for layer in layers:
-        FoldedDispatch.bind(layer, handles, groups)
-    return layers
