@@ -1,5 +1,6 @@
-"""AutoEP folded onto AutoTP on 2 ranks (tensor 2, expert 2, one data replica): training through the engine
-at ZeRO 0, 1 and 2 gives the one-process model's losses, gradient norms and parameters (fp32, 1e-5); and the
+"""AutoEP folded onto AutoTP: training through the engine gives the one-process model's losses, clipped
+gradient norms and parameters (SGD, fp32, 1e-5) — on 2 ranks (tensor 2, expert 2, one data replica) at ZeRO 0,
+1 and 2, and on 4 ranks (two replicas) with expert groups inside a tensor group or spanning two; and the
 restore's gather has the gradient of the unsplit combine."""
 
 from __future__ import annotations
@@ -89,36 +90,46 @@ _TP_RULES = {
 }
 
 
-def _train(stage: int) -> dict:
+def _train(stage: int, ep: int = 2) -> dict:
+    """Train on this rank's tensor group's share of each batch (its data replica); the loss reported is the
+    mean over the replicas, the experts gathered over its expert group in global order."""
     import torch.distributed as dist
 
     import shardspeed
 
+    replicas = dist.get_world_size() // 2
     config = {
-        "train_micro_batch_size_per_gpu": BATCH,
+        "train_micro_batch_size_per_gpu": BATCH // replicas,
         "zero_allow_untested_optimizer": True,  # SGD is per element, so stepping shards is stepping tensors
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 300},
         "tensor_parallel": {"autotp_size": 2, "partition_config": _TP_RULES},
-        "expert_parallel": {"enabled": True, "autoep_size": 2, "use_grouped_mm": False, "validate_folding_routing": True},
+        "expert_parallel": {"enabled": True, "autoep_size": ep, "use_grouped_mm": False, "validate_folding_routing": True},
     }  # fmt: skip
     engine, *_ = shardspeed.initialize(
         model=_build(), optimizer=lambda params: torch.optim.SGD(params, lr=SGD_LR), config=config
     )
     layer = engine.module.model.layers[0].mlp
-    assert layer.folding is not None and layer.num_local_experts == EXPERTS // 2
+    assert layer.folding is not None and layer.num_local_experts == EXPERTS // ep
     assert type(engine.module.up).__name__ != "Linear"  # sharded by AutoTP
     xs, ys = _data()
+    replica = dist.get_rank() // 2  # tensor ranks are neighbours: ranks 2r and 2r + 1 are replica r's lanes
+    mine = slice(replica * BATCH // replicas, (replica + 1) * BATCH // replicas)
     losses, norms = [], []
-    for step in range(STEPS):  # both tensor lanes take the whole batch (one data replica)
-        loss = engine(xs[step], ys[step])
+    for step in range(STEPS):
+        loss = engine(xs[step, mine], ys[step, mine])
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
         norms.append(engine.get_global_grad_norm())
     state = _compared(engine.module)
-    for name in ("w1", "w2", "w3"):  # the expert group is the whole world: every expert, in global order
-        pieces = [torch.empty_like(state[name]) for _ in range(2)]
-        dist.all_gather(pieces, state[name].contiguous())
+    # each expert group (ep consecutive ranks) holds every expert once: gather them in global order
+    world = dist.get_world_size()
+    expert_groups = [dist.new_group(list(range(first, first + ep))) for first in range(0, world, ep)]
+    for name in ("w1", "w2", "w3"):
+        pieces = [torch.empty_like(state[name]) for _ in range(ep)]
+        dist.all_gather(pieces, state[name].contiguous(), group=expert_groups[dist.get_rank() // ep])
         state[name] = torch.cat(pieces)
     engine.destroy()
     return {"losses": losses, "norms": norms, "state": state}
@@ -128,25 +139,35 @@ def _train_all_stages():
     import shardspeed
 
     shardspeed.init_distributed(dist_backend="gloo", verbose=False)
-    return {stage: _train(stage) for stage in (0, 1, 2)}
+    return {f"stage {stage}": _train(stage) for stage in (0, 1, 2)}
+
+
+def _train_four_ranks():
+    import shardspeed
+
+    shardspeed.init_distributed(dist_backend="gloo", verbose=False)
+    return {f"ep {ep}, stage {stage}": _train(stage, ep) for ep, stage in ((2, 1), (4, 2))}
+
+
+def _check(results, losses, norms, expected, initial) -> None:
+    for rank in results:
+        for run, result in rank.items():
+            torch.testing.assert_close(result["losses"], losses, rtol=1e-5, atol=1e-5, msg=f"{run}: losses")
+            torch.testing.assert_close(result["norms"], norms, rtol=1e-5, atol=1e-5, msg=f"{run}: norms")
+            for name, tensor in result["state"].items():
+                torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-5, msg=f"{run}: {name}")
+            assert not torch.equal(result["state"]["w1"], initial["w1"])  # the experts did train
 
 
 def test_folded_training_matches_one_process_at_zero_0_1_2():
-    losses, norms, expected = _reference()
-    initial = _compared(_build())
-    for rank in run_ranks(_train_all_stages, 2, timeout=300):
-        for stage, result in rank.items():
-            torch.testing.assert_close(
-                result["losses"], losses, rtol=1e-5, atol=1e-5, msg=f"stage {stage} losses"
-            )
-            torch.testing.assert_close(
-                result["norms"], norms, rtol=1e-5, atol=1e-5, msg=f"stage {stage} norms"
-            )
-            for name, tensor in expected.items():
-                torch.testing.assert_close(
-                    result["state"][name], tensor, rtol=1e-5, atol=1e-5, msg=f"stage {stage}: {name}"
-                )
-            assert not torch.equal(result["state"]["w1"], initial["w1"])  # the experts did train
+    _check(run_ranks(_train_all_stages, 2, timeout=300), *_reference(), _compared(_build()))
+
+
+def test_folded_training_on_four_ranks_two_replicas():
+    """World 4, tensor 2: two data replicas. ep 2 (ZeRO 1): each expert group is one tensor group, the experts
+    replicated across the replicas (expert-data-parallel 2); ep 4 (ZeRO 2): the expert group spans both
+    replicas' lanes."""
+    _check(run_ranks(_train_four_ranks, 4, timeout=300), *_reference(), _compared(_build()))
 
 
 def _restore_gradient() -> dict:
