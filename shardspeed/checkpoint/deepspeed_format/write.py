@@ -13,8 +13,9 @@ group hyper-parameters, the counters, the LR scheduler, the data sampler and the
 Plain types are pickled, and the two objects DeepSpeed's loaders need as objects, under DeepSpeed's names:
 a static loss scaler of scale 1 (fp32 and bf16 runs have no scale to carry) and the ZeRO stage
 (pickled.py; nothing of DeepSpeed is imported). Not written: DeepSpeed's `param_slice_mappings`
-(only its universal-checkpoint conversion reads them), an fp16 loss scale, pipeline, MoE and tensor-parallel
-files (such checkpoints are refused by name).
+(only its universal-checkpoint conversion reads them), an fp16 loss scale, pipeline and tensor-parallel
+files (such checkpoints are refused by name). A checkpoint of a model with MoE layers is written in DeepSpeed's
+MoE layout by write_moe.py.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from shardspeed.checkpoint.deepspeed_format import pickled
 from shardspeed.checkpoint.deepspeed_format.engine_view import read_model_states
 from shardspeed.checkpoint.deepspeed_format.layout import Zero3Layout, Zero12Layout
 from shardspeed.checkpoint.deepspeed_format.read import model_states_path, read_file
+from shardspeed.checkpoint.deepspeed_format.write_moe import MoESource, moe_files
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.readers import open_checkpoint
+from shardspeed.checkpoint.universal import resolve_tag_dir
 
 __all__ = ["DEEPSPEED_VERSION", "main", "write_deepspeed_checkpoint"]
 
@@ -44,10 +47,15 @@ _OURS = {
     "module", "buffer_names", "param_shapes", "frozen_param_names", "shared_params", "optimizer", "zero_stage",
     "zero_partitions", "dp_world_size", "mp_world_size", "mp_rank", "tp_partitions", "lr_scheduler",
     "compression_scheduler", "data_sampler", "global_steps", "global_samples", "skipped_steps", "micro_steps",
-    "ds_config", "ds_version", "shardspeed_version",
+    "ds_config", "ds_version", "shardspeed_version", "num_experts", "moe_layout", "ds_autoep_layers", "random_ltd",
+    "curriculum_scheduler_legacy",
 }  # fmt: skip
-_NOT_WRITTEN = {"num_experts": "MoE", "moe_layout": "MoE", "pipeline": "pipeline-parallel", "tp_partitions":
-                "tensor-parallel"}  # fmt: skip
+# (shardspeed's MoE checkpoints are written by write_moe.py; DeepSpeed's own are not rewritten)
+_NOT_WRITTEN = {
+    "num_experts": "DeepSpeed MoE",
+    "pipeline": "pipeline-parallel",
+    "tp_partitions": "tensor-parallel",
+}
 
 
 def _dtype(ds_config: dict) -> torch.dtype:
@@ -205,7 +213,6 @@ def _model_states(source: _Source, world: int, stage: int, rank: int) -> dict:
                 part = value.reshape(-1)[rank * c : (rank + 1) * c]
                 piece[: part.numel()] = part
                 frozen[n] = piece
-    client = {k: v for k, v in entries.items() if k not in _OURS}
     return {
         "module": module,
         "buffer_names": reader.buffer_names(),
@@ -214,6 +221,15 @@ def _model_states(source: _Source, world: int, stage: int, rank: int) -> dict:
         "frozen_param_shapes": source.shapes(source.frozen) if stage >= 2 else None,
         "frozen_param_fragments": frozen,
         "shared_params": reader.shared_params() if stage > 0 else None,
+        **_common_entries(entries, source.ds_config, world),
+    }
+
+
+def _common_entries(entries: dict, ds_config: dict, world: int) -> dict:
+    """The model-states entries every DeepSpeed layout shares: scheduler, sampler, counters, config, the
+    client's entries (every entry of ours that is no part's)."""
+    client = {k: v for k, v in entries.items() if k not in _OURS}
+    return {
         "lr_scheduler": entries.get("lr_scheduler"),
         "data_sampler": entries.get("data_sampler"),
         "random_ltd": None,
@@ -223,11 +239,23 @@ def _model_states(source: _Source, world: int, stage: int, rank: int) -> dict:
         "global_samples": int(entries.get("global_samples") or 0),
         "dp_world_size": world,
         "mp_world_size": 1,
-        "ds_config": source.ds_config,
+        "ds_config": ds_config,
         "ds_version": DEEPSPEED_VERSION,
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         **client,
     }
+
+
+def _moe_contents(path: Path, entries: dict, world_size, zero_stage) -> tuple[str, dict]:
+    """Our checkpoint of a model with MoE layers: (tag, {file name: content}) in DeepSpeed's MoE layout."""
+    source = MoESource(path, entries)
+    world = int(world_size or source.world)
+    stage = source.zero_stage if zero_stage is None else int(zero_stage)
+    ds_config = dict(entries.get("ds_config") or {})
+    ds_config["zero_optimization"] = {**(ds_config.get("zero_optimization") or {}), "stage": stage}
+    model_states = {"module": dict(entries["module"]), "buffer_names": list(entries.get("buffer_names") or []),
+                    **_common_entries(entries, ds_config, world)}  # fmt: skip
+    return path.name, moe_files(source, model_states, world, stage, DEEPSPEED_VERSION)
 
 
 def write_deepspeed_checkpoint(
@@ -236,6 +264,12 @@ def write_deepspeed_checkpoint(
     """Write the checkpoint in `checkpoint_dir` (ours or DeepSpeed's; `tag` or `latest`) into `output_dir`
     in DeepSpeed 0.19.8's layout at `world_size` ranks and ZeRO stage `zero_stage` (default: the source's).
     Returns the tag folder written. The folder is staged and renamed into place, `latest` written last."""
+    root = Path(checkpoint_dir)
+    path = root if tag is None and model_states_path(root).is_file() else resolve_tag_dir(root, tag)
+    entries = read_model_states(path)
+    if "moe_layout" in entries:  # ours, with MoE layers (DeepSpeed's own MoE checkpoints are refused below)
+        name, contents = _moe_contents(path, entries, world_size, zero_stage)
+        return _write(Path(output_dir), name, contents)
     source = _Source(checkpoint_dir, tag)
     world = int(world_size or source.reader.world_size)
     stage = source.reader.zero_stage if zero_stage is None else int(zero_stage)
@@ -243,22 +277,14 @@ def write_deepspeed_checkpoint(
         raise ValueError(f"zero_stage must be 0-3 and world_size >= 1, got {zero_stage!r} and {world_size!r}")
     source.ds_config.setdefault("zero_optimization", {})
     source.ds_config["zero_optimization"] = {**source.ds_config["zero_optimization"], "stage": stage}
-    out = Path(output_dir)
-    name = source.reader.path.name
-    staging = files.staging_dir(out, name)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    contents = {}
     if stage == 3:
         for rank in range(world):
-            model = _model_states(source, world, stage, rank)
-            files.save_file(
-                model, staging / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", pickled.PICKLE_MODULE
+            contents[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = _model_states(
+                source, world, stage, rank
             )
     else:
-        files.save_file(
-            _model_states(source, world, stage, 0), staging / files.model_states_name(), pickled.PICKLE_MODULE
-        )
+        contents[files.model_states_name()] = _model_states(source, world, stage, 0)
     partitions = (
         []
         if stage == 0
@@ -269,9 +295,19 @@ def write_deepspeed_checkpoint(
     prefix = "bf16_" if source.dtype == torch.bfloat16 else ""
     for rank, osd in enumerate(partitions):
         outer = {"optimizer_state_dict": osd, "ds_config": source.ds_config, "ds_version": DEEPSPEED_VERSION}
-        files.save_file(
-            outer, staging / f"{prefix}{files.zero_optim_states_name(rank)}", pickled.PICKLE_MODULE
-        )
+        contents[f"{prefix}{files.zero_optim_states_name(rank)}"] = outer
+    return _write(Path(output_dir), source.reader.path.name, contents)
+
+
+def _write(out: Path, name: str, contents: dict) -> Path:
+    """Write `contents` ({file name: object}) as tag folder `out/name`: staged, renamed into place, then
+    `latest`; what was written is read back weights-only."""
+    staging = files.staging_dir(out, name)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    for file_name, content in contents.items():
+        files.save_file(content, staging / file_name, pickled.PICKLE_MODULE)
     final = out / name
     if final.exists():
         shutil.rmtree(final)
