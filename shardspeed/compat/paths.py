@@ -478,6 +478,10 @@ PATHS: dict[str, object] = {
     "moe.ep_repack": "shardspeed.moe.autoep.repack",
     "moe.ep_kernels": "shardspeed.moe.autoep.token_permutation",
     "moe.fused_expert_layout": "shardspeed.moe.autoep.experts",
+    # AutoEP folded onto AutoTP: the layout (folding.py), its gradient families (folding_grads.py), the dispatch
+    "module_inject.auto_ep_folding": "shardspeed.moe.autoep.folding",
+    "module_inject.auto_ep_folding.*": "shardspeed.moe.autoep.folding_grads",
+    "moe.ep_tp_dispatch": "shardspeed.moe.autoep.ep_tp_dispatch",
     "module_inject.auto_ep_presets.deepseek_v2": NotOffered(_AUTOEP_FAMILY, True),
     "module_inject.auto_ep_presets.deepseek_v3": NotOffered(_AUTOEP_FAMILY, True),
     "module_inject.auto_ep_presets.mixtral": NotOffered(_AUTOEP_FAMILY, True),

@@ -51,7 +51,7 @@ _OP_BUILDER_MODULES = (
     "xpu xpu.async_io xpu.builder xpu.cpu_adagrad xpu.cpu_adam xpu.flash_attn xpu.fused_adam xpu.no_impl "
     "xpu.pin_memory"
 )
-_AUTOEP = "an AutoEP internal that is not built (DeepEP exchange, AutoTP folding, Triton kernels); see docs/compatibility.md"
+_AUTOEP = "an AutoEP internal that is not built (DeepEP exchange, Triton kernels); see docs/compatibility.md"
 _INJECTION = (
     "DeepSpeed's kernel injection (its policies, containers and fused layers) is not built: init_inference runs "
     "the model's own modules, sharded by AutoTP"
@@ -88,9 +88,7 @@ _STAND_IN_MODULES = {
     "launcher.constants": INTERNAL,
     "launcher.launcher_helper": "DeepSpeed's MPI launcher helper is not built; shardspeed's launcher starts ranks",
     "module_inject.auto_ep_comm": _AUTOEP,
-    "module_inject.auto_ep_folding": _AUTOEP,
     "moe.ep_kernels": _AUTOEP,
-    "moe.ep_tp_dispatch": _AUTOEP,
     "module_inject.containers": _INJECTION,
     "module_inject.inject": _INJECTION,
     "module_inject.load_checkpoint": _INJECTION,

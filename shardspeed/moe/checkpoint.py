@@ -170,8 +170,19 @@ def _full_state(param) -> dict:
     return entry
 
 
+def refuse_folded(part) -> None:
+    """AutoEP folded onto AutoTP (autoep/folded_layer.py): its expert groups span tensor lanes, which the expert
+    files' layout does not describe; refused on every rank alike, before anything is written or read."""
+    if any(getattr(layer, "folding", None) is not None for layer in part.moe.layers):
+        raise NotImplementedError(
+            "checkpoints of a model with AutoEP folded onto AutoTP (expert_parallel with "
+            "tensor_parallel.autotp_size > 1) are not built yet"
+        )
+
+
 def save_moe(part, staging) -> None:
     """Expert files, this rank's optimizer state and the universal files (collective)."""
+    refuse_folded(part)
     if part.optimizer is not None:
         partition = {"optimizer_state_dict": part.optimizer.state_dict(), "ds_config": part.ds_config}
         files.save_file(partition, staging / optimizer_file_name(part.placement.dp_rank))
@@ -216,6 +227,7 @@ def _edp_rank(part, expert) -> int:
 
 def load_moe(part, path, state: dict, strict: bool, load_optimizer: bool) -> bool:
     """Load an MoE checkpoint; returns True when it was saved at another layout (rebuilt from names)."""
+    refuse_folded(part)
     if deepspeed_raw(state) is not None:
         load_deepspeed_moe(part, path, state, strict, load_optimizer)
         return True

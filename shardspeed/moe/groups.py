@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from shardspeed.comm.collectives import all_gather_strings, comm_device
@@ -23,6 +24,7 @@ __all__ = [
     "ExpertGroup",
     "ExpertGroups",
     "build_expert_groups",
+    "build_expert_groups_from_tables",
     "data_parallel_slices",
     "expert_parallel_ranks",
     "latest",
@@ -40,6 +42,9 @@ class ExpertGroup:
     edp_group: object
     edp_ranks: list[int]
     dp_world_size: int
+    # Tensor lanes splitting one replica's tokens between them (AutoEP folded onto AutoTP, autoep/folding.py):
+    # each lane's gradient reaches the experts `tp_lanes` times over (the restore gather sums the lanes).
+    tp_lanes: int = 1
 
     @property
     def ep_rank(self) -> int:
@@ -101,15 +106,42 @@ def build_expert_groups(ep_sizes, mpu=None) -> ExpertGroups:
                 f"MoE ep_size={ep} must divide the data-parallel world size {dp_world} "
                 f"(world size {dist.get_world_size()})"
             )
-        if name in built.by_name:
+        ep_groups, edp_groups = _cut(slices, ep)
+        if _still_valid(built.by_name.get(name), ep_groups):
             continue
         mine: dict = {}
-        ep_groups, edp_groups = _cut(slices, ep)
         for ranks in ep_groups:
             _new_group(ranks, me, mine, "ep")
         for ranks in edp_groups:
             _new_group(ranks, me, mine, "edp")
         built.by_name[name] = ExpertGroup(name, ep, *mine["ep"], *mine["edp"], dp_world)
+    _latest = built
+    return built
+
+
+def _still_valid(existing: ExpertGroup | None, ep_groups: list[list[int]]) -> bool:
+    """Whether a group built earlier under this name is one of this cut on every rank (a group built for
+    another layout, a folded one say, is rebuilt). Collective, so that every rank decides alike."""
+    valid = existing is not None and existing.tp_lanes == 1 and existing.ep_ranks in ep_groups
+    flag = torch.tensor([int(valid)], device=comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def build_expert_groups_from_tables(
+    name: str, ep_size: int, ep_tables, edp_tables, *, dp_world_size: int, tp_lanes: int = 1
+) -> ExpertGroups:
+    """Create (collectively) the groups of one ep size from given rank tables (a folded layout's, where
+    expert groups span tensor lanes) and register them under `name`, replacing a group of that name built
+    for another layout."""
+    global _latest
+    mine: dict = {}
+    for ranks in ep_tables:
+        _new_group(list(ranks), dist.get_rank(), mine, "ep")
+    for ranks in edp_tables:
+        _new_group(list(ranks), dist.get_rank(), mine, "edp")
+    built = ExpertGroups(dict(_latest.by_name))
+    built.by_name[name] = ExpertGroup(name, ep_size, *mine["ep"], *mine["edp"], dp_world_size, tp_lanes)
     _latest = built
     return built
 

@@ -73,7 +73,10 @@ class ExpertParallelOptimizer(OptimizerWrapper):
     def _global_norm(self) -> float:
         total = 0.0
         for d in self.domains:
-            squared = (d.wrapper._global_norm() * d.wrapper.gradient_scale) ** 2
+            norm = d.wrapper._global_norm()
+            if d.wrapper.global_norm_hook is not None:  # the dense domain of a tensor-parallel model
+                norm = d.wrapper.global_norm_hook(norm)
+            squared = (norm * d.wrapper.gradient_scale) ** 2
             if d.norm_group is not None and dist.get_world_size(d.norm_group) > 1:
                 value = torch.tensor([squared], dtype=torch.float64, device=_device_of(d.wrapper))
                 all_reduce(value, group=d.norm_group)

@@ -61,6 +61,19 @@ class ExpertParallelism:
                 "use_data_before_expert_parallelism: true is not supported; expert-parallel groups are "
                 "consecutive data-parallel ranks (the default, false)"
             )
+        folded = [layer for layer in layers if getattr(layer, "folding", None) is not None]
+        if folded:  # AutoEP folded onto AutoTP: the layers hold the layout's groups already
+            if len(folded) != len(layers):
+                raise ValueError(
+                    "AutoEP layers folded onto tensor parallelism cannot be combined with deepspeed.moe layers"
+                )
+            groups = folded[0].folding.groups
+            if groups is None:
+                raise ValueError(
+                    "AutoEP layers bound to folding handles by hand: enable expert_parallel with "
+                    "tensor_parallel.autotp_size > 1 so the engine builds the layout's groups"
+                )
+            return cls(module, layers, groups, dp_group)
         groups = build_expert_groups([layer.ep_size for layer in layers], mpu)
         for layer in layers:
             layer.set_deepspeed_parallelism(groups=groups)
@@ -99,7 +112,8 @@ class ExpertParallelism:
             mine = [(n, p) for n, p in named if is_moe_param(p) and p.group_name == name]
             owned = {id(p) for _, p in everything if is_moe_param(p) and p.group_name == name}
             wrapper = wrap_params(optimizer, mine, group.edp_group, owned)
-            wrapper.gradient_scale = group.edp_size / group.dp_world_size
+            # folded onto tensor lanes, each lane's expert gradient arrives tp_lanes times over (folded_layer.py)
+            wrapper.gradient_scale = group.edp_size / (group.dp_world_size * group.tp_lanes)
             domains.append(ReductionDomain(name, wrapper, group.ep_group))
         return ExpertParallelOptimizer(optimizer, domains, scaler=scaler, clip=clip)
 

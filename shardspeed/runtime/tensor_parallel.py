@@ -91,7 +91,6 @@ class TensorParallel:
         self.rank = dist.get_rank(group)
         self.report = report
         self.partitions = partitions_of(model)  # state-dict name -> TPPartition
-        self.replicated = [p for p in model.parameters() if getattr(p, "tp_partition", None) is None]
         self.optimizer = None  # the stage wrapper whose gradient norm this completes (`attach`)
         self.device = None
         self.universal_info = None  # the layout for universal checkpoints (set by `shard`)
@@ -145,8 +144,11 @@ class TensorParallel:
     def attach(self, optimizer, device: torch.device) -> None:
         """Complete the norms of the stage wrapper `optimizer` (None: none) whose gradients live on `device`."""
         self.optimizer, self.device = optimizer, device
-        if optimizer is not None:
-            optimizer.global_norm_hook = self.global_norm
+        if optimizer is not None and getattr(optimizer, "domains", None):
+            # MoE: the dense domain holds the tensor shards; expert norms combine over their expert groups
+            self.optimizer = optimizer.domain("dense").wrapper
+        if self.optimizer is not None:
+            self.optimizer.global_norm_hook = self.global_norm
 
     # -- gradient norm --------------------------------------------------------------------------------------
 
@@ -160,7 +162,11 @@ class TensorParallel:
 
     def _replicated_square(self) -> float:
         wrapper = self.optimizer
-        replicated = {id(p) for p in self.replicated}
+        # by the mark, not a list taken at sharding: AutoEP replaces MoE blocks after it
+        replicated = {
+            id(p) for bucket in wrapper_buckets(wrapper) for p in bucket.params
+            if getattr(p, "tp_partition", None) is None
+        }  # fmt: skip
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if hasattr(wrapper, "reducer"):  # stage 0: whole averaged buckets
             for bucket in wrapper.reducer.buckets:
@@ -178,6 +184,11 @@ class TensorParallel:
         if dist.get_world_size(wrapper.group) > 1:
             dist.all_reduce(total, group=wrapper.group)
         return total.item()
+
+
+def wrapper_buckets(wrapper) -> list:
+    """The gradient buckets of a stage wrapper: stage 0's reducer's, or stages 1-2's flat buckets."""
+    return wrapper.reducer.buckets if hasattr(wrapper, "reducer") else wrapper.buckets
 
 
 def _hf_plan_specs(model):

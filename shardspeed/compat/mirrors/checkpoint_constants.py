@@ -115,3 +115,26 @@ __all__ += [
     "AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT",
     "AUTOEP_ZERO12_REQUIRED_FIELDS",
 ]  # fmt: skip
+# -- the folding metadata of AutoEP-folded-onto-AutoTP checkpoints (names only: saving a model with AutoEP
+# layers is refused, so shardspeed writes no such entry; they import for code that reads DeepSpeed's)
+__all__ += [
+    "FOLDING_DISPATCH_STRATEGY", "FOLDING_EP_RANK", "FOLDING_EP_SIZE", "FOLDING_ETP_RANK", "FOLDING_ETP_SIZE",
+    "FOLDING_FAMILY", "FOLDING_METADATA_KEY", "FOLDING_METADATA_VERSION", "FOLDING_PARAM_FAMILIES",
+    "FOLDING_SHARED_EXPERT_PLACEMENT", "FOLDING_TP_RANK", "FOLDING_TP_SIZE", "FOLDING_ZERO_PARTITION_COUNT",
+    "FOLDING_ZERO_PARTITION_GROUP", "FOLDING_ZERO_PARTITION_RANK",
+]  # fmt: skip
+FOLDING_METADATA_KEY = "folding"
+FOLDING_METADATA_VERSION = 1
+FOLDING_TP_SIZE = "tp_size"
+FOLDING_TP_RANK = "tp_rank"
+FOLDING_EP_SIZE = "ep_size"
+FOLDING_EP_RANK = "ep_rank"
+FOLDING_ETP_SIZE = "etp_size"
+FOLDING_ETP_RANK = "etp_rank"
+FOLDING_ZERO_PARTITION_GROUP = "zero_partition_group"
+FOLDING_ZERO_PARTITION_RANK = "zero_partition_rank"
+FOLDING_ZERO_PARTITION_COUNT = "zero_partition_count"
+FOLDING_DISPATCH_STRATEGY = "dispatch_strategy"
+FOLDING_SHARED_EXPERT_PLACEMENT = "shared_expert_placement"
+FOLDING_FAMILY = "family"
+FOLDING_PARAM_FAMILIES = "param_families"

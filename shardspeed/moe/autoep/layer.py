@@ -215,6 +215,9 @@ class AutoEPMoELayer(nn.Module):
         self.ep_group = (
             None  # set by set_deepspeed_parallelism (or directly) before a forward with ep_size > 1
         )
+        # folded onto AutoTP (folded_layer.py): the FoldedDispatch, its group handles and tensor group
+        self.folding = self.folding_group_handles = self.tp_group = None
+        self.validate_folding_routing = config.validate_folding_routing
         self._build_router(spec, source_module)
         self._build_experts(spec, source_module, config)
         self.shared_experts = (
@@ -287,10 +290,18 @@ class AutoEPMoELayer(nn.Module):
             for param in module.parameters() if module is not None else ():
                 param.allreduce = True
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, groups=None) -> None:
-        """Take the expert-parallel group from `groups` (what an engine built), or build it now (collective)."""
+    def set_deepspeed_parallelism(
+        self, use_data_before_expert_parallel_: bool = False, groups=None, folding_group_handles=None
+    ) -> None:
+        """Take the expert-parallel group from `groups` (what an engine built), or build it now (collective);
+        with `folding_group_handles` (a `FoldingGroupHandles`), run folded onto those tensor lanes."""
         if use_data_before_expert_parallel_:
             raise NotImplementedError("use_data_before_expert_parallelism=True is not supported")
+        if folding_group_handles is not None:
+            from shardspeed.moe.autoep.folded_layer import FoldedDispatch
+
+            FoldedDispatch.bind(self, folding_group_handles)
+            return
         if groups is None:
             from shardspeed.moe.groups import build_expert_groups
 
@@ -318,6 +329,8 @@ class AutoEPMoELayer(nn.Module):
         return _AllToAllV.apply(self.ep_group, output, plan.output_splits, plan.input_splits)
 
     def forward(self, hidden_states: torch.Tensor):
+        if self.folding is not None:  # tensor lanes share the routed work (folded_layer.py)
+            return self.folding.forward(self, hidden_states)
         bsz, seqlen, hdim = hidden_states.shape
         x = hidden_states.reshape(-1, hdim)
         router_out = RouterOutput(*self.router(x, self.expert_bias))

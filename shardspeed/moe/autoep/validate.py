@@ -17,6 +17,7 @@ from shardspeed.moe.autoep.config import (
     MoELayerSpec,
     raise_load_balance_coeff,
 )
+from shardspeed.moe.autoep.folding import build_folding_spec, validate_folding_global
 from shardspeed.moe.autoep.presets import PRESET_MODELS
 
 __all__ = ["validate_autoep_config", "validate_autoep_post_detection"]
@@ -36,36 +37,19 @@ def _check_attr_name(key: str, value: object) -> None:
         raise ValueError(f"expert_parallel.{key} must be a direct attribute name (no dots), got {value!r}")
 
 
-def _check_topology(config: AutoEPConfig, world_size: int, pp_size: int, tp_size: int, sp_size: int) -> None:
-    """Expert-parallel groups are carved out of one pipeline stage's ranks (tensor-parallel ranks fold in)."""
-    etp = config.expert_tensor_parallel_size
-    if etp != 1:
-        raise ValueError(
-            f"expert_parallel.expert_tensor_parallel_size={etp} is reserved for expert tensor parallelism, which "
-            "is not built; use expert_tensor_parallel_size=1"
-        )
+def _check_topology(
+    config: AutoEPConfig, world_size: int, pp_size: int, tp_size: int, sp_size: int, **folding
+) -> None:
+    """Expert-parallel groups are carved out of one pipeline stage's ranks, tensor-parallel ranks folded in
+    (folding.py): the sizes must tile the stage, and a folded layout must pass its own checks."""
     size = config.autoep_size
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"expert_parallel.autoep_size must be a positive integer, got {size!r}")
-    pp_size = max(pp_size, 1)
-    if world_size % pp_size:
-        raise ValueError(f"pp_size={pp_size} must divide world_size={world_size}")
-    if sp_size > 1 and tp_size > 1:
-        raise ValueError("sequence parallelism and tensor parallelism are mutually exclusive with AutoEP")
-    if tp_size > 1 and pp_size > 1:
-        raise ValueError(f"AutoEP with tensor_parallel.autotp_size={tp_size} supports pp_size=1 only")
-    stage_size = world_size // pp_size
-    if tp_size > 1 and stage_size % tp_size:
-        raise ValueError(
-            f"tensor_parallel.autotp_size={tp_size} must divide the stage size {stage_size}. "
-            f"Valid autotp_size values: {_divisors(stage_size)}"
-        )
-    if stage_size % (size * etp):
-        raise ValueError(
-            f"expert_parallel.autoep_size * expert_parallel.expert_tensor_parallel_size = {size * etp} must divide "
-            f"the stage size {stage_size} (world_size={world_size} / pp_size={pp_size}). "
-            f"Valid expert-width values: {_divisors(stage_size)}"
-        )
+    spec = build_folding_spec(
+        world_size=world_size, pp_size=max(pp_size, 1), tp_size=max(tp_size, 1), ep_size=size,
+        etp_size=config.expert_tensor_parallel_size, mp_mode="tp" if tp_size > 1 else "sp",
+    )  # fmt: skip
+    validate_folding_global(spec, sp_size=sp_size, ep_preset=config.preset_model, **folding)
 
 
 def validate_autoep_config(
@@ -76,8 +60,12 @@ def validate_autoep_config(
     sp_size: int,
     *,
     zero_stage: int = 0,
+    deepcompile_enabled: bool = False,
+    tp_preset_model: str | None = None,
     use_data_before_expert_parallel: bool = False,
-    **folding_only: object,  # DeepSpeed's AutoTP-folding inputs; folding (tp > 1) is refused at engine start
+    mpu=None,
+    zero_offload_optimizer: bool = False,
+    zero_offload_param: bool = False,
 ) -> None:
     """Check the block against itself and the topology; raise ValueError naming the key at fault."""
     if config.load_balance_coeff is not None:
@@ -94,7 +82,11 @@ def validate_autoep_config(
         )
     if config.async_split_plan:
         raise ValueError("expert_parallel.async_split_plan overlaps a CUDA copy stream; it is not built")
-    _check_topology(config, world_size, pp_size, tp_size, sp_size)
+    _check_topology(
+        config, world_size, pp_size, tp_size, sp_size, deepcompile_enabled=deepcompile_enabled,
+        tp_preset=tp_preset_model, mpu=mpu, zero_offload_optimizer=zero_offload_optimizer,
+        zero_offload_param=zero_offload_param,
+    )  # fmt: skip
     if config.preset_model is not None and config.preset_model not in PRESET_MODELS:
         raise ValueError(
             f"Unknown preset_model {config.preset_model!r}. Available presets: {list(PRESET_MODELS)}"
