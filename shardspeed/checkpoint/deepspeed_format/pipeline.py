@@ -114,8 +114,9 @@ def _zero0_stage_params(tag_dir: Path, read_file) -> list[list[str]]:
         optimizer = raw.get("optimizer")
         if not isinstance(optimizer, dict) or not isinstance(optimizer.get("param_groups"), list):
             raise CheckpointError(
-                f"{path} is a DeepSpeed pipeline stage saved at ZeRO stage 0 without optimizer state: neither "
-                "parameter names nor an optimizer say which layers it held, so this version does not read it"
+                f"{path} is a DeepSpeed pipeline stage that records neither parameter names ('param_shapes', "
+                "None at ZeRO stage 0) nor optimizer state: nothing says which layers it held, so this version "
+                "does not read it"
             )
         counts.append(sum(len(group["params"]) for group in optimizer["param_groups"]))
         buffers_of.append(set(raw.get("buffer_names") or []))
