@@ -118,7 +118,7 @@ def _in_ranks(tmp: str, bad: dict) -> dict:
     for kind, folder in bad.items():
         engine = engines[BAD[kind][0]]
         before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        error = error_text(lambda folder=folder: engine.load_checkpoint(folder))
+        error = error_text(lambda engine=engine, folder=folder: engine.load_checkpoint(folder))
         unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
         out["refused"][kind] = (error, unchanged)
     return out
