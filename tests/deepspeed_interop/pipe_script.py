@@ -125,7 +125,14 @@ def rank_main(rank, args, port):
 
     deepspeed.init_distributed(dist_backend="gloo")
     result = run(
-        deepspeed, args.world, args.stages, args.stage, args.out, save=args.save, load=args.load, dtype=args.dtype
+        deepspeed,
+        args.world,
+        args.stages,
+        args.stage,
+        args.out,
+        save=args.save,
+        load=args.load,
+        dtype=args.dtype,
     )
     if rank == 0:
         torch.save(result, args.out)
