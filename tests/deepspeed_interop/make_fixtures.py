@@ -16,7 +16,8 @@ files), read by tests/test_deepspeed_pipeline_zero0_read.py.
 
 `fixtures/moe-ep<E>-s<S>` are the same for moe_script.py (one `deepspeed.moe.layer.MoE` layer of 2 experts at
 ep size E, ZeRO stage S, fp32, 2 ranks: DeepSpeed's expert and expp_rank files), read by
-tests/test_deepspeed_moe_checkpoint_read.py. Each is made by a process of its own, as DeepSpeed keeps its
+tests/test_deepspeed_moe_checkpoint_read.py, and `fixtures/moe-ep2-s0-bf16` the same in bf16 (DeepSpeed's bf16
+optimizer state in the expp_rank files). Each is made by a process of its own, as DeepSpeed keeps its
 expert groups in module globals (an earlier run's larger ep group would change which ranks write).
 """
 
@@ -58,6 +59,8 @@ def _moe_fixtures() -> None:
     for ep, stage in MOE_CASES:
         options = ["--world", "2", "--ep", str(ep), "--stage", str(stage)]
         _fixture(f"moe-ep{ep}-s{stage}", "moe_script.py", options)
+    options = ["--world", "2", "--ep", "2", "--stage", "0", "--dtype", "bf16"]
+    _fixture("moe-ep2-s0-bf16", "moe_script.py", options)
 
 
 def main(only: str | None = None) -> None:
