@@ -116,6 +116,18 @@ def is_bf16_optimizer_state(osd) -> bool:
     )
 
 
+def _refuse_nvme_offload(tag_dir: Path) -> None:
+    """With `offload_optimizer.device: nvme` DeepSpeed copies its swap folder into `offloaded_tensors/rank<R>/`:
+    raw buffers named by its internal parameter ids, which its partition files do not replace. Not read here;
+    refused rather than resumed without that state."""
+    offloaded = tag_dir / "offloaded_tensors"
+    if offloaded.exists():
+        raise CheckpointError(
+            f"{offloaded} holds DeepSpeed's NVMe-offloaded optimizer state (raw swap files named by DeepSpeed's "
+            "internal parameter ids), which this version does not read"
+        )
+
+
 def _zero_stage(path: Path, state: dict) -> int:
     zero = (state.get("ds_config") or {}).get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
@@ -143,6 +155,7 @@ class DeepSpeedCheckpointReader(SlicedValues):
         raw = model_states if model_states is not None else read_file(self._model_file, mmap=True)
         self.version = _check_version(self._model_file, raw)
         _refuse_moe(self.path, self._model_file, raw, mp_rank)
+        _refuse_nvme_offload(self.path)
         self._raw = raw
         self.zero_stage = _zero_stage(self._model_file, raw)
         self.world_size = int(raw.get("dp_world_size") or 1)
