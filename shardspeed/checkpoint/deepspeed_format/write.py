@@ -13,8 +13,17 @@ group hyper-parameters, the counters, the LR scheduler, the data sampler and the
 Plain types are pickled, and the two objects DeepSpeed's loaders need as objects, under DeepSpeed's names:
 a static loss scaler of scale 1 (fp32 and bf16 runs have no scale to carry) and the ZeRO stage
 (pickled.py; nothing of DeepSpeed is imported). Not written: DeepSpeed's `param_slice_mappings`
-(only its universal-checkpoint conversion reads them), an fp16 loss scale, pipeline, MoE and tensor-parallel
-files (such checkpoints are refused by name).
+(only its universal-checkpoint conversion reads them), an fp16 loss scale, MoE and tensor-parallel files (such
+checkpoints are refused by name).
+
+A pipeline checkpoint (shardspeed's PipelineEngine's) is written stage by stage (`_write_pipeline`), as
+DeepSpeed's PipelineEngine saves one at ZeRO stage 0 or 1: the layer files as they are, and for each stage SS
+its `mp_rank_SS_model_states.pt` (`module` None, the stage's `param_shapes`, `mp_world_size` and
+`checkpoint_parallel_dimensions.pp_degree` = the stage count; at ZeRO-0 the stage's torch optimizer state,
+indexed in the stage's parameter order) and its `zero_pp_rank_D_mp_rank_SS_optim_states.pt` at ZeRO-1. The
+stage count and partition are the saved ones (DeepSpeed's PipelineModule must be built with the same); the
+data-parallel size may change. Refused by name: bf16 at ZeRO-0 (DeepSpeed runs its BF16_Optimizer there, whose
+files are not written), ZeRO stages 2-3 (DeepSpeed's pipelines do not run them), tied layers.
 """
 
 from __future__ import annotations
@@ -31,9 +40,11 @@ from shardspeed.checkpoint import files
 from shardspeed.checkpoint.deepspeed_format import pickled
 from shardspeed.checkpoint.deepspeed_format.engine_view import read_model_states
 from shardspeed.checkpoint.deepspeed_format.layout import Zero3Layout, Zero12Layout
+from shardspeed.checkpoint.deepspeed_format.pipeline_source import layer_file_names, stage_sources
 from shardspeed.checkpoint.deepspeed_format.read import model_states_path, read_file
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.readers import open_checkpoint
+from shardspeed.checkpoint.universal import resolve_tag_dir
 
 __all__ = ["DEEPSPEED_VERSION", "main", "write_deepspeed_checkpoint"]
 
@@ -46,8 +57,7 @@ _OURS = {
     "compression_scheduler", "data_sampler", "global_steps", "global_samples", "skipped_steps", "micro_steps",
     "ds_config", "ds_version", "shardspeed_version",
 }  # fmt: skip
-_NOT_WRITTEN = {"num_experts": "MoE", "moe_layout": "MoE", "pipeline": "pipeline-parallel", "tp_partitions":
-                "tensor-parallel"}  # fmt: skip
+_NOT_WRITTEN = {"num_experts": "MoE", "moe_layout": "MoE", "tp_partitions": "tensor-parallel"}
 
 
 def _dtype(ds_config: dict) -> torch.dtype:
@@ -61,9 +71,13 @@ def _dtype(ds_config: dict) -> torch.dtype:
 class _Source:
     """What the writer needs from the source checkpoint, by name."""
 
-    def __init__(self, checkpoint_dir, tag):
-        self.reader = open_checkpoint(checkpoint_dir, tag)
-        self.entries = read_model_states(self.reader.path)
+    def __init__(self, checkpoint_dir, tag, stage_source=None):
+        """`stage_source`: one pipeline stage's (reader, entries) from pipeline_source.py instead."""
+        if stage_source is not None:
+            self.reader, self.entries = stage_source
+        else:
+            self.reader = open_checkpoint(checkpoint_dir, tag)
+            self.entries = read_model_states(self.reader.path)
         for key, what in _NOT_WRITTEN.items():
             if self.entries.get(key):
                 raise CheckpointError(
@@ -236,6 +250,15 @@ def write_deepspeed_checkpoint(
     """Write the checkpoint in `checkpoint_dir` (ours or DeepSpeed's; `tag` or `latest`) into `output_dir`
     in DeepSpeed 0.19.8's layout at `world_size` ranks and ZeRO stage `zero_stage` (default: the source's).
     Returns the tag folder written. The folder is staged and renamed into place, `latest` written last."""
+    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
+    entries = read_model_states(tag_dir)
+    if entries.get("pipeline"):
+        return _write_pipeline(tag_dir, Path(output_dir), world_size, zero_stage)
+    if getattr(entries, "pipeline_stages", 1) > 1:
+        raise CheckpointError(
+            f"{tag_dir} is a DeepSpeed pipeline checkpoint ({entries.pipeline_stages} stages): it is in DeepSpeed's "
+            "layout already; rewriting it at another data-parallel size is not offered by this version"
+        )
     source = _Source(checkpoint_dir, tag)
     world = int(world_size or source.reader.world_size)
     stage = source.reader.zero_stage if zero_stage is None else int(zero_stage)
@@ -272,6 +295,10 @@ def write_deepspeed_checkpoint(
         files.save_file(
             outer, staging / f"{prefix}{files.zero_optim_states_name(rank)}", pickled.PICKLE_MODULE
         )
+    return _publish(out, staging, name)
+
+
+def _publish(out: Path, staging: Path, name: str) -> Path:
     final = out / name
     if final.exists():
         shutil.rmtree(final)
@@ -280,6 +307,50 @@ def write_deepspeed_checkpoint(
     files.atomic_write_text(out / files.LATEST, name)
     read_file(model_states_path(final))  # what was written reads back weights-only
     return final
+
+
+def _write_pipeline(tag_dir: Path, out: Path, world_size, zero_stage) -> Path:
+    """A shardspeed pipeline checkpoint in DeepSpeed's pipeline layout (the module's docstring)."""
+    sources = [_Source(None, None, stage_source=s) for s in stage_sources(tag_dir)]
+    first = sources[0]
+    world = int(world_size or first.reader.world_size)
+    stage = first.reader.zero_stage if zero_stage is None else int(zero_stage)
+    if stage not in (0, 1) or world < 1:
+        raise CheckpointError(
+            f"{tag_dir} is a pipeline checkpoint: DeepSpeed's PipelineEngine runs ZeRO stage 0 or 1 and world size "
+            f">= 1 data-parallel ranks, not stage {stage!r} at {world!r}"
+        )
+    if stage == 0 and first.dtype == torch.bfloat16:
+        raise CheckpointError(
+            f"{tag_dir}: a bf16 pipeline at ZeRO stage 0 runs DeepSpeed's BF16_Optimizer, whose files this version "
+            "does not write (write it at --zero-stage 1)"
+        )
+    staging = files.staging_dir(out, tag_dir.name)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    for mp_rank, source in enumerate(sources):
+        source.ds_config["zero_optimization"] = {
+            **(source.ds_config.get("zero_optimization") or {}),
+            "stage": stage,
+        }
+        model = _model_states(source, world, stage, 0)
+        model.pop("pipeline", None)
+        model.update(module=None, mp_world_size=len(sources), shared_params=None if stage == 0 else {},
+                     checkpoint_parallel_dimensions={"pp_degree": len(sources), "tp_degree": 1})  # fmt: skip
+        files.save_file(model, staging / files.model_states_name(mp_rank), pickled.PICKLE_MODULE)
+        for name in layer_file_names(tag_dir, source.entries):
+            files.save_file(files.load_file(tag_dir / name), staging / name, pickled.PICKLE_MODULE)
+        prefix = "bf16_" if source.dtype == torch.bfloat16 else ""
+        for rank, osd in enumerate(_zero12_files(source, world, stage) if stage == 1 else []):
+            outer = {
+                "optimizer_state_dict": osd,
+                "ds_config": source.ds_config,
+                "ds_version": DEEPSPEED_VERSION,
+            }
+            name = f"{prefix}{files.zero_optim_states_name(rank, mp_rank)}"
+            files.save_file(outer, staging / name, pickled.PICKLE_MODULE)
+    return _publish(out, staging, tag_dir.name)
 
 
 def main(argv=None) -> int:
