@@ -53,7 +53,7 @@ def test_ep2_layer_matches_the_source_block_outputs_and_gradients():
         assert rank["out"] < 1e-5 and rank["router"] < 1e-5 and rank["experts"] < 1e-5, rank
 
 
-def _train(stage: int, folder: str):
+def _train(stage: int):
     import torch.distributed as dist
 
     import shardspeed
@@ -80,7 +80,6 @@ def _train(stage: int, folder: str):
         engine.backward(engine(xs[step, part], ys[step, part]))
         engine.step()
     state = grouped_state(engine.module)
-    state["checkpoint_refused"] = torch.tensor(_checkpoint_refused(engine, folder))
     for name in ("w1", "w2", "w3"):  # every rank's experts, in global order
         pieces = [torch.empty_like(state[name]) for _ in range(2)]
         dist.all_gather(pieces, state[name].contiguous())
@@ -89,25 +88,15 @@ def _train(stage: int, folder: str):
     return state
 
 
-def _checkpoint_refused(engine, folder) -> bool:
-    """Saving would keep only rank 0's experts (AutoEP checkpoints are not built): refused, naming AutoEP."""
-    try:
-        engine.save_checkpoint(folder)
-    except NotImplementedError as error:  # every rank refuses before touching a file
-        return "AutoEP checkpoints are not built" in str(error)
-    return False
+def _train_all_stages():
+    return {stage: _train(stage) for stage in (0, 1, 2)}
 
 
-def _train_all_stages(folder: str):
-    return {stage: _train(stage, folder) for stage in (0, 1, 2)}
-
-
-def test_ep2_training_matches_one_process_at_zero_0_1_2(tmp_path):
+def test_ep2_training_matches_one_process_at_zero_0_1_2():
     expected = reference_run(STEPS, MICRO, 2)
     initial = grouped_state(build())
-    for rank in run_ranks(_train_all_stages, 2, str(tmp_path), timeout=300):
+    for rank in run_ranks(_train_all_stages, 2, timeout=300):
         for stage, state in rank.items():
-            assert bool(state.pop("checkpoint_refused")), stage
             assert state.keys() == expected.keys()
             for name, tensor in expected.items():
                 torch.testing.assert_close(

@@ -36,6 +36,24 @@ def zero_optim_states_name(dp_rank: int, mp_rank: int = 0) -> str:
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
+def expert_model_states_name(layer_id: int, expert_id: int, mp_rank: int = 0) -> str:
+    """Expert `expert_id` (its global index) of the `layer_id`-th MoE layer (DeepSpeed's name)."""
+    return f"layer_{layer_id}_expert_{expert_id}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def expert_universal_name(layer_id: int, expert_id: int) -> str:
+    """An MoE checkpoint's by-name file of one expert: fp32 values and optimizer state (moe/checkpoint.py)."""
+    return f"layer_{layer_id}_expert_{expert_id}_universal_states.pt"
+
+
+MOE_DENSE_UNIVERSAL = "moe_dense_universal_states.pt"  # the same for every dense parameter of an MoE model
+
+
+def moe_optim_states_name(dp_rank: int) -> str:
+    """Data-parallel rank `dp_rank`'s optimizer state (every reduction domain) in an MoE checkpoint."""
+    return f"moe_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+
+
 def rng_states_name(rank: int) -> str:
     return f"rng_states_rank_{rank}.pt"
 

@@ -77,6 +77,12 @@ class CheckpointReader(SlicedValues):
             raise CheckpointError(
                 f"{self.path / files.model_states_name()} has no 'param_shapes': not a shardspeed checkpoint"
             )
+        if "moe_layout" in self._model:  # experts and optimizer state are in MoE files (moe/checkpoint.py)
+            raise CheckpointError(
+                f"{self.path} is a checkpoint of a model with MoE layers: it loads into an engine with the same MoE "
+                "layers (at any ep size, world size or ZeRO stage) and shardspeed-to-deepspeed writes it in "
+                "DeepSpeed's layout; consolidating it and converting it to a universal folder are not built"
+            )
         self.zero_stage = int(self._model.get("zero_stage", 0))
         self.world_size = int(self._model.get("dp_world_size", 1))
         self._shapes = {n: torch.Size(s) for n, s in self._model["param_shapes"].items()}

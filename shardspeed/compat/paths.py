@@ -461,6 +461,7 @@ PATHS: dict[str, object] = {
     "moe.ep_count": "shardspeed.moe.autoep.router",
     "moe.ep_experts": "shardspeed.moe.autoep.experts",
     "moe.ep_repack": "shardspeed.moe.autoep.repack",
+    "moe.ep_kernels": "shardspeed.moe.autoep.token_permutation",
     "moe.fused_expert_layout": "shardspeed.moe.autoep.experts",
     "module_inject.auto_ep_presets.deepseek_v2": NotOffered(_AUTOEP_FAMILY, True),
     "module_inject.auto_ep_presets.deepseek_v3": NotOffered(_AUTOEP_FAMILY, True),
@@ -471,8 +472,9 @@ PATHS: dict[str, object] = {
         "the MiniMax-M3 AutoEP preset is not offered", True
     ),
     "checkpoint.autoep_universal": NotOffered(
-        "AutoEP checkpoints (per-expert files, their universal conversion) are not built; saving or loading a "
-        "model with AutoEP layers is refused",
+        "the internals of DeepSpeed's universal conversion of AutoEP checkpoints (its per-rank fragment files); "
+        "shardspeed's AutoEP checkpoints (per-expert files) load at another ep size, world size or ZeRO stage "
+        "without conversion, and its ds_to_universal writes no fragment files",
         True,
     ),
 }

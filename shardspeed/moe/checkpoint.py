@@ -14,7 +14,8 @@ Files in a tag folder, besides the usual model-states and RNG files (checkpoint/
     layer_<L>_expert_<E>_universal_states.pt          and every expert's, by name with global expert indices
 
 `mp_rank_00_model_states.pt` holds the dense weights only (`module` without expert tensors, as DeepSpeed),
-plus `num_experts` and `moe_layout`. A load with the same layout (world size, ZeRO stage, ep sizes, buckets)
+plus `num_experts` and `moe_layout` (and DeepSpeed's `ds_autoep_layers` with AutoEP layers, whose stacked experts
+are split into the same per-expert files: autoep_checkpoint.py). A load with the same layout (world size, ZeRO stage, ep sizes, buckets)
 takes the weights and the per-rank optimizer state and resumes bit for bit. Any other layout — another ep
 size, world size or stage — rebuilds every parameter, fp32 master and optimizer state from the universal
 files by name (each rank reads only its own experts), then keeps training. Writing the universal files
@@ -33,6 +34,7 @@ from shardspeed.checkpoint.deepspeed_format import deepspeed_raw
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.model_states import ModelStates
 from shardspeed.checkpoint.parts import LoadContext, SaveOptions
+from shardspeed.moe import autoep_checkpoint as autoep
 from shardspeed.moe.deepspeed_checkpoint import check_deepspeed_moe, load_deepspeed_moe
 from shardspeed.moe.named_state import expert_entries, is_managed, set_full_state
 from shardspeed.moe.utils import is_moe_param
@@ -51,37 +53,31 @@ __all__ = [
 ]
 
 _LOCAL = re.compile(r"^(?P<prefix>.*\.deepspeed_experts\.)(?P<index>\d+)(?P<rest>\..*)$")
-DENSE_UNIVERSAL = "moe_dense_universal_states.pt"
+DENSE_UNIVERSAL = files.MOE_DENSE_UNIVERSAL
 
 
-def expert_file_name(layer_id: int, expert_id: int, mp_rank: int = 0) -> str:
-    return f"layer_{layer_id}_expert_{expert_id}_mp_rank_{mp_rank:02d}_model_states.pt"
-
-
-def expert_universal_name(layer_id: int, expert_id: int) -> str:
-    return f"layer_{layer_id}_expert_{expert_id}_universal_states.pt"
-
-
-def optimizer_file_name(dp_rank: int) -> str:
-    return f"moe_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+expert_file_name = files.expert_model_states_name  # the file names live with the others (checkpoint/files.py)
+expert_universal_name = files.expert_universal_name
+optimizer_file_name = files.moe_optim_states_name
 
 
 class MoEModelStates(ModelStates):
     """The module and optimizer wrapper of a model with MoE layers; `moe` is the engine's MoE part."""
 
-    keys = (*ModelStates.keys, "num_experts", "moe_layout")
+    keys = (*ModelStates.keys, "num_experts", "moe_layout", autoep.LAYERS_KEY)
     reads_universal = False  # experts have no place in the universal layout's per-parameter folders yet
 
     def __init__(self, *args, moe, **kwargs):
         super().__init__(*args, **kwargs)
         self.moe = moe
-        _refuse_autoep(self)  # made on every rank at the first save or load, before any file is touched
 
     def _stage_wrappers(self) -> list:
         return [d.wrapper for d in self.optimizer.domains]  # one per reduction domain (moe/optimizer.py)
 
     def param_shapes(self) -> dict[str, tuple]:
-        return without_experts(super().param_shapes())  # experts are in their own files, by global index
+        stacked = autoep.expert_param_names(self.module)  # AutoEP's: [local experts, ...], per ep size
+        shapes = without_experts(super().param_shapes())  # experts are in their own files, by global index
+        return {k: v for k, v in shapes.items() if k not in stacked}
 
     def state_dict(self, options: SaveOptions) -> dict:
         return moe_model_states(self, super().state_dict(options))
@@ -94,6 +90,8 @@ class MoEModelStates(ModelStates):
             check_deepspeed_moe(self, path, state, options.strict)
             return
         super().check(path, state, options)
+        autoep.check_layers_metadata(self.module, path, state.get(autoep.LAYERS_KEY))
+        _check_expert_files(self, path, state)
 
     def needs_reshard(self, state: dict, path) -> bool:
         return state.get("moe_layout") != moe_layout(self)  # DeepSpeed's: no moe_layout, always by name
@@ -102,16 +100,20 @@ class MoEModelStates(ModelStates):
         ctx.resharded = load_moe(self, ctx.path, ctx.state, ctx.options.strict, ctx.options.optimizer)
 
 
-def _refuse_autoep(part) -> None:
-    """AutoEP layers keep each rank's experts stacked in one tensor, which the expert files here do not split
-    yet: saving them as dense weights would keep only rank 0's experts, so it is refused."""
-    from shardspeed.moe.autoep.layer import AutoEPMoELayer
-
-    if any(isinstance(layer, AutoEPMoELayer) for layer in part.moe.layers):
-        raise NotImplementedError(
-            "cannot save or load a checkpoint of a model with AutoEP layers (expert_parallel): AutoEP checkpoints "
-            "are not built yet; see docs/compatibility.md (AutoEP)"
-        )
+def _check_expert_files(part, path, state: dict) -> None:
+    """Every file this rank's experts will be read from exists (a rank missing one would otherwise fail alone,
+    half-way through the load)."""
+    if "moe_layout" not in state:
+        return  # not an MoE checkpoint: load_moe names that
+    reshard = part.optimizer is not None and part.needs_reshard(state, path)
+    name = expert_universal_name if reshard else expert_file_name
+    wanted = [(layer_id, global_id) for layer_id, global_id, *_ in expert_entries(part)]
+    wanted += autoep.local_expert_ids(part.module, part.moe.expert_rank)
+    for layer_id, global_id in wanted:
+        if not (path / name(layer_id, global_id)).is_file():
+            raise CheckpointError(
+                f"checkpoint {path} has no {name(layer_id, global_id)} (expert {global_id} of MoE layer {layer_id})"
+            )
 
 
 def _is_expert_key(name: str) -> bool:
@@ -133,11 +135,14 @@ def moe_layout(part) -> dict:
 
 def moe_model_states(part, state: dict) -> dict:
     """The model-states dict of an MoE part: expert tensors out (they are in the expert files)."""
-    state["module"] = {k: v for k, v in state["module"].items() if not _is_expert_key(k)}
+    stacked = autoep.expert_param_names(part.module)
+    state["module"] = {k: v for k, v in state["module"].items() if not (_is_expert_key(k) or k in stacked)}
     state["optimizer"] = None  # in moe_rank_<D> files
     state["zero_partitions"] = 0
     state["num_experts"] = [layer.num_experts for layer in part.moe.layers]
     state["moe_layout"] = moe_layout(part)
+    if stacked:
+        state[autoep.LAYERS_KEY] = autoep.layers_metadata(part.module, part.moe.groups)
     return state
 
 
@@ -177,6 +182,9 @@ def save_moe(part, staging) -> None:
             if _edp_rank(part, expert) == 0:
                 values = dict(zip(names, (t.detach().clone() for t in expert.state_dict().values())))
                 files.save_file(values, staging / expert_file_name(layer_id, global_id))
+    for layer_id, global_id, group, values in autoep.expert_files(part.module, part.moe.expert_rank):
+        if part.moe.groups[group].edp_rank == 0:
+            files.save_file(values, staging / expert_file_name(layer_id, global_id))
     if part.optimizer is None:
         return
     dense = {
@@ -191,6 +199,10 @@ def save_moe(part, staging) -> None:
             global_of[local_prefix + n]: _full_state(p) for n, p in expert.named_parameters() if is_managed(p)
         }
         if _edp_rank(part, expert) == 0:
+            files.save_file({"params": entries}, staging / expert_universal_name(layer_id, global_id))
+    for layer_id, global_id, group, entries in autoep.universal_entries(part.module, part.moe.expert_rank,
+                                                                        _full_state):  # fmt: skip
+        if part.moe.groups[group].edp_rank == 0:
             files.save_file({"params": entries}, staging / expert_universal_name(layer_id, global_id))
 
 
@@ -237,7 +249,7 @@ def _expert_values(part, path) -> dict:
         if missing:
             raise CheckpointError(f"{file} lacks {missing[:4]}: saved from a different expert module")
         values.update({local: saved[g] for g, local in names.items()})
-    return values
+    return {**values, **autoep.stack_expert_values(part.module, path, part.moe.expert_rank, expert_file_name)}
 
 
 def _load_weights(part, path, module_state: dict, strict: bool, params_elsewhere: bool = False) -> None:
@@ -278,6 +290,10 @@ def _load_any_layout(part, path, state, strict, load_optimizer) -> None:
             raise CheckpointError(f"checkpoint {path} has no {file.name}: expert {global_id} of MoE layer {layer_id} "
                                   "is not in it (saved with fewer experts?)")  # fmt: skip
         universal.update(files.load_file(file)["params"])
+    # AutoEP's stacked experts: this rank's experts' entries stacked, under the local names
+    universal.update(
+        autoep.stack_universal_entries(part.module, path, part.moe.expert_rank, expert_universal_name)
+    )
     local_to_global = {local: g for _, _, _, names, _ in expert_entries(part) for g, local in names.items()}
     named = [(local_to_global.get(n, n), p) for n, p in part.module.named_parameters()]
     # dense first on every rank, then this rank's experts: each group sees its collectives in one order

@@ -1,5 +1,5 @@
 """A model with MoE layers seen by parameter name, as its checkpoints need it: this rank's experts under their
-global index (`expert_entries`), and setting one parameter's whole fp32 value and optimizer state
+global index (`expert_entries`; AutoEP's stacked experts: autoep_checkpoint.py), and setting one parameter's whole fp32 value and optimizer state
 (`set_full_state`) whichever ZeRO stage holds it. Shared by our own MoE checkpoints (checkpoint.py) and the
 loading of DeepSpeed's (deepspeed_checkpoint.py).
 """
@@ -17,10 +17,12 @@ def expert_entries(part):
     """(layer id, global expert id, expert module, {global name: local name}, local name prefix) for this
     rank's experts, the layer id counting MoE layers in module order (as DeepSpeed numbers them), and expert
     `p * n + l` being local expert l of expert-parallel rank p (n local experts per rank)."""
+    from shardspeed.moe.autoep_checkpoint import moe_layer_ids
     from shardspeed.moe.layer import MoE
 
-    layers = [(prefix, m) for prefix, m in part.module.named_modules() if isinstance(m, MoE)]
-    for layer_id, (prefix, module) in enumerate(layers):
+    for layer_id, prefix, module in moe_layer_ids(part.module):  # AutoEP layers count too (their own files)
+        if not isinstance(module, MoE):
+            continue
         ep_rank = part.moe.expert_rank(module.expert_group_name)
         base = (prefix + "." if prefix else "") + "deepspeed_moe.experts.deepspeed_experts"
         for local, expert in enumerate(module.deepspeed_moe.experts.deepspeed_experts):

@@ -1,5 +1,5 @@
-"""DeepSpeed's engine extras: `compile`, `offload_states`, `empty_partition_cache`, `collect_python_gc`, and
-attribute look-up on the wrapped module.
+"""DeepSpeed's engine extras: `compile`, `offload_states`, `empty_partition_cache`, `collect_python_gc`,
+`load_module_state_dict`, and attribute look-up on the wrapped module.
 
 Mixed into `ShardspeedEngine`; each method hands its work to a part the engine holds (`self.compiler`,
 `self.states`, the stage 3 coordinator, the process-wide Python GC switch).
@@ -18,6 +18,7 @@ import gc
 from shardspeed import accelerator
 from shardspeed.runtime.compiler import default_backend
 from shardspeed.runtime.python_gc import python_gc
+from shardspeed.zero.api import GatheredParameters
 from shardspeed.zero.offload_kinds import OffloadDeviceEnum
 
 __all__ = ["EngineExtras"]
@@ -57,6 +58,38 @@ class EngineExtras:
     def collect_python_gc(self) -> int:
         """One Python garbage collection now (with `disable_python_gc`, the only ones that run)."""
         return python_gc.collect()
+
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False,
+                               z3_params_to_fetch=None, allowed_missing_keys=None) -> None:  # fmt: skip
+        """Load `checkpoint["module"]` (a model-states dict's weights) into the wrapped module, as DeepSpeed's
+        engine does: `custom_load_fn(src=, dst=)` instead of `load_state_dict` when given; ZeRO-3 parameters
+        gathered while loaded (`z3_params_to_fetch`, or all with `fetch_z3_params`) and re-partitioned from
+        rank 0's values. `allowed_missing_keys` (AutoEP's expert weights, loaded from their own files) may be
+        missing from a strict load, and nothing else: any other missing or unexpected key raises RuntimeError;
+        `strict=False` keeps torch's non-strict load. `load_checkpoint` does not call this method (each part of
+        the engine loads its own state, checkpoint/parts.py), so overriding it changes nothing there."""
+        if checkpoint.get("frozen_param_fragments") is not None:
+            raise NotImplementedError(
+                "load_module_state_dict: frozen_param_fragments (DeepSpeed's ZeRO-3 frozen partitions) are not "
+                "loaded here; load the checkpoint with load_checkpoint"
+            )
+        if z3_params_to_fetch is not None:
+            fetch = list(z3_params_to_fetch)
+        else:
+            fetch = list(self.module.parameters()) if fetch_z3_params else []
+        with GatheredParameters(fetch, modifier_rank=0):
+            state = checkpoint["module"]
+            if custom_load_fn is not None:
+                custom_load_fn(src=state, dst=self.module)
+                return
+            result = self.module.load_state_dict(state, strict=strict and allowed_missing_keys is None)
+        if strict and allowed_missing_keys is not None:
+            missing = sorted(set(result.missing_keys) - set(allowed_missing_keys))
+            if missing or result.unexpected_keys:
+                raise RuntimeError(
+                    "Checkpoint module state did not match the model outside AutoEP expert parameters: "
+                    f"missing={missing}, unexpected={sorted(result.unexpected_keys)}"
+                )
 
     def __getattr__(self, name: str):
         """As DeepSpeed: what the engine does not have is looked up on the wrapped module."""

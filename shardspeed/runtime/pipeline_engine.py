@@ -164,6 +164,24 @@ class PipelineEngine(ShardspeedEngine):
         log_dist(f"pipeline engine: stages={self.num_stages} partition={model.parts} micro_batches="
                  f"{self.gradient_accumulation_steps()}")  # fmt: skip
 
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False,
+                               z3_params_to_fetch=None, allowed_missing_keys=None) -> None:  # fmt: skip
+        """The engine's, for a checkpoint whose `module` is a state dict. DeepSpeed's pipeline engine also
+        takes `module` None (its layer files, read from the folder being loaded); here `load_checkpoint` reads
+        those, so that form is refused."""
+        if custom_load_fn is not None:
+            raise ValueError(
+                "custom_load_fn is not supported with pipeline parallelism (DeepSpeed refuses it too)"
+            )
+        if not isinstance(checkpoint.get("module"), dict):
+            raise NotImplementedError(
+                "PipelineEngine.load_module_state_dict: the checkpoint holds no module state dict (a pipeline "
+                "checkpoint keeps its weights in layer files); load it with load_checkpoint"
+            )
+        super().load_module_state_dict(checkpoint, strict, fetch_z3_params=fetch_z3_params,
+                                       z3_params_to_fetch=z3_params_to_fetch,
+                                       allowed_missing_keys=allowed_missing_keys)  # fmt: skip
+
     def _make_dataloader(self, dataset, collate_fn):
         """`training_data` in order, split over the data-parallel ranks (DeepSpeed's pipeline engine gives
         `deepspeed_io` a sampler without shuffling): the first stage (inputs) and the last (labels) read the same

@@ -132,3 +132,75 @@ def test_deepspeed_bf16_moe_checkpoints_resume_in_shardspeed(tmp_path):
         if loss > BF16_TOLERANCE or weights > BF16_TOLERANCE:
             failures.append(f"{label}: losses differ by {loss}, weights by {weights}")
     assert failures == []
+
+
+# -- the other way: shardspeed writes, DeepSpeed resumes ------------------------------------------------------
+
+
+def _shardspeed_saves(jobs: list) -> None:
+    import torch.distributed as dist
+    from deepspeed_interop.moe_script import run
+
+    import shardspeed
+
+    shardspeed.init_distributed(dist_backend="gloo")
+    for job in jobs:
+        result = run(
+            shardspeed, dist.get_world_size(), job["ep"], job["stage"], save=job["save"], aux=job["aux"]
+        )
+        if dist.get_rank() == 0:
+            torch.save(result, job["out"])
+        dist.barrier()
+
+
+def test_shardspeed_moe_checkpoints_resume_in_deepspeed(tmp_path):
+    """shardspeed trains and saves (2 ranks; ep 1 and 2; ZeRO 0-3); `shardspeed-to-deepspeed` writes each save in
+    DeepSpeed's MoE layout — at the saved stage, at another stage, and one at 4 ranks; DeepSpeed's
+    `load_checkpoint` resumes it and trains the same 3 steps as shardspeed's uninterrupted run (within 1e-6)."""
+    from shardspeed.checkpoint.deepspeed_format.write import write_deepspeed_checkpoint
+
+    saves = {
+        (ep, stage, aux): {"ep": ep, "stage": stage, "aux": aux, "save": str(tmp_path / f"ss-ep{ep}-s{stage}-{aux}"),
+                           "out": str(tmp_path / f"ss-ep{ep}-s{stage}-{aux}.pt")}
+        for ep, stage, aux in [*[(ep, s, 0.01) for ep, s in SAVED], (2, 3, 0.01), (2, 2, 0.0)]
+    }  # fmt: skip
+    run_ranks(_shardspeed_saves, 2, list(saves.values()), timeout=600)
+
+    def written(saved: tuple, stage: int, world: int = 2) -> dict:
+        source = saves[saved]
+        folder = write_deepspeed_checkpoint(source["save"], f"{source['save']}-ds-s{stage}-w{world}",
+                                            world_size=world, zero_stage=stage)  # fmt: skip
+        return {"ep": saved[0], "stage": stage, "aux": saved[2], "load": str(folder.parent), "world": world,
+                "out": f"{folder.parent}.pt", "expected": source["out"]}  # fmt: skip
+
+    jobs = [written((ep, s, 0.01), s) for ep, s in SAVED]  # as saved (ep 1 first: DeepSpeed's module globals)
+    jobs += [written((2, 2, 0.01), 0), written((2, 0, 0.01), 1), written((1, 2, 0.01), 0)]  # another stage
+    # shardspeed runs MoE at ZeRO-3, DeepSpeed does not: written for ZeRO-2
+    jobs += [written((2, 3, 0.01), 2)]
+    jobs += [written((2, 2, 0.0), 2, world=4)]  # 4 ranks: ep 2 over 2 expert-data-parallel ranks
+    for world in (2, 4):
+        mine = [j for j in jobs if j["world"] == world]
+        mine.sort(key=lambda j: j["ep"])
+        path = tmp_path / f"deepspeed-resumes-w{world}.json"
+        path.write_text(json.dumps(mine))
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ""}
+        done = subprocess.run([DEEPSPEED_PYTHON, str(SCRIPT), "--world", str(world), "--jobs", str(path)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, (
+            f"DeepSpeed's resumes failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        )
+
+    failures = []
+    for job in jobs:
+        got, expected = torch.load(job["out"]), torch.load(job["expected"])
+        assert got["counters"] == expected["counters"], (job, got["counters"], expected["counters"])
+        assert sorted(got["weights"]) == sorted(expected["weights"]), job
+        loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
+        weights = max((got["weights"][n] - w).abs().max().item() for n, w in expected["weights"].items())
+        label = (
+            f"{Path(job['expected']).stem} -> DeepSpeed ep {job['ep']} stage {job['stage']} at {job['world']}"
+        )
+        print(f"{label}: max loss difference {loss:.3g}, max weight difference {weights:.3g}")
+        if loss > TOLERANCE or weights > TOLERANCE:
+            failures.append(f"{label}: losses differ by {loss}, weights by {weights}")
+    assert failures == []

@@ -13,10 +13,11 @@ group hyper-parameters, the counters, the LR scheduler, the data sampler and the
 Plain types are pickled, and the two objects DeepSpeed's loaders need as objects, under DeepSpeed's names:
 a static loss scaler of scale 1 (fp32 and bf16 runs have no scale to carry) and the ZeRO stage
 (pickled.py; nothing of DeepSpeed is imported). Not written: DeepSpeed's `param_slice_mappings`
-(only its universal-checkpoint conversion reads them), an fp16 loss scale, MoE and tensor-parallel files (such
-checkpoints are refused by name).
+(only its universal-checkpoint conversion reads them), an fp16 loss scale and tensor-parallel files (such
+checkpoints are refused by name). A checkpoint of a model with MoE layers is written in DeepSpeed's MoE layout by
+write_moe.py.
 
-A pipeline checkpoint (shardspeed's PipelineEngine's) is written stage by stage (`_write_pipeline`), as
+A pipeline checkpoint (shardspeed's PipelineEngine's) is written stage by stage (`_pipeline_contents`), as
 DeepSpeed's PipelineEngine saves one at ZeRO stage 0 or 1: the layer files as they are, and for each stage SS
 its `mp_rank_SS_model_states.pt` (`module` None, the stage's `param_shapes`, `mp_world_size` and
 `checkpoint_parallel_dimensions.pp_degree` = the stage count; at ZeRO-0 the stage's torch optimizer state,
@@ -42,6 +43,7 @@ from shardspeed.checkpoint.deepspeed_format.engine_view import read_model_states
 from shardspeed.checkpoint.deepspeed_format.layout import Zero3Layout, Zero12Layout
 from shardspeed.checkpoint.deepspeed_format.pipeline_source import layer_file_names, stage_sources
 from shardspeed.checkpoint.deepspeed_format.read import model_states_path, read_file
+from shardspeed.checkpoint.deepspeed_format.write_moe import MoESource, moe_files
 from shardspeed.checkpoint.files import CheckpointError
 from shardspeed.checkpoint.readers import open_checkpoint
 from shardspeed.checkpoint.universal import resolve_tag_dir
@@ -55,9 +57,15 @@ _OURS = {
     "module", "buffer_names", "param_shapes", "frozen_param_names", "shared_params", "optimizer", "zero_stage",
     "zero_partitions", "dp_world_size", "mp_world_size", "mp_rank", "tp_partitions", "lr_scheduler",
     "compression_scheduler", "data_sampler", "global_steps", "global_samples", "skipped_steps", "micro_steps",
-    "ds_config", "ds_version", "shardspeed_version",
+    "ds_config", "ds_version", "shardspeed_version", "num_experts", "moe_layout", "ds_autoep_layers", "random_ltd",
+    "curriculum_scheduler_legacy",
 }  # fmt: skip
-_NOT_WRITTEN = {"num_experts": "MoE", "moe_layout": "MoE", "tp_partitions": "tensor-parallel"}
+# (shardspeed's MoE checkpoints are written by write_moe.py, its pipeline checkpoints by `_pipeline_contents`;
+# DeepSpeed's own are not rewritten)
+_NOT_WRITTEN = {
+    "num_experts": "DeepSpeed MoE",
+    "tp_partitions": "tensor-parallel",
+}
 
 
 def _dtype(ds_config: dict) -> torch.dtype:
@@ -219,7 +227,6 @@ def _model_states(source: _Source, world: int, stage: int, rank: int) -> dict:
                 part = value.reshape(-1)[rank * c : (rank + 1) * c]
                 piece[: part.numel()] = part
                 frozen[n] = piece
-    client = {k: v for k, v in entries.items() if k not in _OURS}
     return {
         "module": module,
         "buffer_names": reader.buffer_names(),
@@ -228,6 +235,15 @@ def _model_states(source: _Source, world: int, stage: int, rank: int) -> dict:
         "frozen_param_shapes": source.shapes(source.frozen) if stage >= 2 else None,
         "frozen_param_fragments": frozen,
         "shared_params": reader.shared_params() if stage > 0 else None,
+        **_common_entries(entries, source.ds_config, world),
+    }
+
+
+def _common_entries(entries: dict, ds_config: dict, world: int) -> dict:
+    """The model-states entries every DeepSpeed layout shares: scheduler, sampler, counters, config, the
+    client's entries (every entry of ours that is no part's)."""
+    client = {k: v for k, v in entries.items() if k not in _OURS}
+    return {
         "lr_scheduler": entries.get("lr_scheduler"),
         "data_sampler": entries.get("data_sampler"),
         "random_ltd": None,
@@ -237,11 +253,23 @@ def _model_states(source: _Source, world: int, stage: int, rank: int) -> dict:
         "global_samples": int(entries.get("global_samples") or 0),
         "dp_world_size": world,
         "mp_world_size": 1,
-        "ds_config": source.ds_config,
+        "ds_config": ds_config,
         "ds_version": DEEPSPEED_VERSION,
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         **client,
     }
+
+
+def _moe_contents(path: Path, entries: dict, world_size, zero_stage) -> tuple[str, dict]:
+    """Our checkpoint of a model with MoE layers: (tag, {file name: content}) in DeepSpeed's MoE layout."""
+    source = MoESource(path, entries)
+    world = int(world_size or source.world)
+    stage = source.zero_stage if zero_stage is None else int(zero_stage)
+    ds_config = dict(entries.get("ds_config") or {})
+    ds_config["zero_optimization"] = {**(ds_config.get("zero_optimization") or {}), "stage": stage}
+    model_states = {"module": dict(entries["module"]), "buffer_names": list(entries.get("buffer_names") or []),
+                    **_common_entries(entries, ds_config, world)}  # fmt: skip
+    return path.name, moe_files(source, model_states, world, stage, DEEPSPEED_VERSION)
 
 
 def write_deepspeed_checkpoint(
@@ -250,13 +278,17 @@ def write_deepspeed_checkpoint(
     """Write the checkpoint in `checkpoint_dir` (ours or DeepSpeed's; `tag` or `latest`) into `output_dir`
     in DeepSpeed 0.19.8's layout at `world_size` ranks and ZeRO stage `zero_stage` (default: the source's).
     Returns the tag folder written. The folder is staged and renamed into place, `latest` written last."""
-    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
-    entries = read_model_states(tag_dir)
-    if entries.get("pipeline"):
-        return _write_pipeline(tag_dir, Path(output_dir), world_size, zero_stage)
+    root = Path(checkpoint_dir)
+    path = root if tag is None and model_states_path(root).is_file() else resolve_tag_dir(root, tag)
+    entries = read_model_states(path)
+    if "moe_layout" in entries:  # ours, with MoE layers (DeepSpeed's own MoE checkpoints are refused below)
+        name, contents = _moe_contents(path, entries, world_size, zero_stage)
+        return _write(Path(output_dir), name, contents)
+    if entries.get("pipeline"):  # ours, from a PipelineEngine
+        return _write(Path(output_dir), path.name, _pipeline_contents(path, world_size, zero_stage))
     if getattr(entries, "pipeline_stages", 1) > 1:
         raise CheckpointError(
-            f"{tag_dir} is a DeepSpeed pipeline checkpoint ({entries.pipeline_stages} stages): it is in DeepSpeed's "
+            f"{path} is a DeepSpeed pipeline checkpoint ({entries.pipeline_stages} stages): it is in DeepSpeed's "
             "layout already; rewriting it at another data-parallel size is not offered by this version"
         )
     source = _Source(checkpoint_dir, tag)
@@ -266,22 +298,14 @@ def write_deepspeed_checkpoint(
         raise ValueError(f"zero_stage must be 0-3 and world_size >= 1, got {zero_stage!r} and {world_size!r}")
     source.ds_config.setdefault("zero_optimization", {})
     source.ds_config["zero_optimization"] = {**source.ds_config["zero_optimization"], "stage": stage}
-    out = Path(output_dir)
-    name = source.reader.path.name
-    staging = files.staging_dir(out, name)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    contents = {}
     if stage == 3:
         for rank in range(world):
-            model = _model_states(source, world, stage, rank)
-            files.save_file(
-                model, staging / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", pickled.PICKLE_MODULE
+            contents[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = _model_states(
+                source, world, stage, rank
             )
     else:
-        files.save_file(
-            _model_states(source, world, stage, 0), staging / files.model_states_name(), pickled.PICKLE_MODULE
-        )
+        contents[files.model_states_name()] = _model_states(source, world, stage, 0)
     partitions = (
         []
         if stage == 0
@@ -292,13 +316,19 @@ def write_deepspeed_checkpoint(
     prefix = "bf16_" if source.dtype == torch.bfloat16 else ""
     for rank, osd in enumerate(partitions):
         outer = {"optimizer_state_dict": osd, "ds_config": source.ds_config, "ds_version": DEEPSPEED_VERSION}
-        files.save_file(
-            outer, staging / f"{prefix}{files.zero_optim_states_name(rank)}", pickled.PICKLE_MODULE
-        )
-    return _publish(out, staging, name)
+        contents[f"{prefix}{files.zero_optim_states_name(rank)}"] = outer
+    return _write(Path(output_dir), source.reader.path.name, contents)
 
 
-def _publish(out: Path, staging: Path, name: str) -> Path:
+def _write(out: Path, name: str, contents: dict) -> Path:
+    """Write `contents` ({file name: object}) as tag folder `out/name`: staged, renamed into place, then
+    `latest`; what was written is read back weights-only."""
+    staging = files.staging_dir(out, name)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    for file_name, content in contents.items():
+        files.save_file(content, staging / file_name, pickled.PICKLE_MODULE)
     final = out / name
     if final.exists():
         shutil.rmtree(final)
@@ -309,8 +339,8 @@ def _publish(out: Path, staging: Path, name: str) -> Path:
     return final
 
 
-def _write_pipeline(tag_dir: Path, out: Path, world_size, zero_stage) -> Path:
-    """A shardspeed pipeline checkpoint in DeepSpeed's pipeline layout (the module's docstring)."""
+def _pipeline_contents(tag_dir: Path, world_size, zero_stage) -> dict:
+    """A shardspeed pipeline checkpoint's files in DeepSpeed's pipeline layout (the module's docstring)."""
     sources = [_Source(None, None, stage_source=s) for s in stage_sources(tag_dir)]
     first = sources[0]
     world = int(world_size or first.reader.world_size)
@@ -325,10 +355,7 @@ def _write_pipeline(tag_dir: Path, out: Path, world_size, zero_stage) -> Path:
             f"{tag_dir}: a bf16 pipeline at ZeRO stage 0 runs DeepSpeed's BF16_Optimizer, whose files this version "
             "does not write (write it at --zero-stage 1)"
         )
-    staging = files.staging_dir(out, tag_dir.name)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    contents = {}
     for mp_rank, source in enumerate(sources):
         source.ds_config["zero_optimization"] = {
             **(source.ds_config.get("zero_optimization") or {}),
@@ -338,9 +365,9 @@ def _write_pipeline(tag_dir: Path, out: Path, world_size, zero_stage) -> Path:
         model.pop("pipeline", None)
         model.update(module=None, mp_world_size=len(sources), shared_params=None if stage == 0 else {},
                      checkpoint_parallel_dimensions={"pp_degree": len(sources), "tp_degree": 1})  # fmt: skip
-        files.save_file(model, staging / files.model_states_name(mp_rank), pickled.PICKLE_MODULE)
+        contents[files.model_states_name(mp_rank)] = model
         for name in layer_file_names(tag_dir, source.entries):
-            files.save_file(files.load_file(tag_dir / name), staging / name, pickled.PICKLE_MODULE)
+            contents[name] = files.load_file(tag_dir / name)
         prefix = "bf16_" if source.dtype == torch.bfloat16 else ""
         for rank, osd in enumerate(_zero12_files(source, world, stage) if stage == 1 else []):
             outer = {
@@ -348,9 +375,8 @@ def _write_pipeline(tag_dir: Path, out: Path, world_size, zero_stage) -> Path:
                 "ds_config": source.ds_config,
                 "ds_version": DEEPSPEED_VERSION,
             }
-            name = f"{prefix}{files.zero_optim_states_name(rank, mp_rank)}"
-            files.save_file(outer, staging / name, pickled.PICKLE_MODULE)
-    return _publish(out, staging, tag_dir.name)
+            contents[f"{prefix}{files.zero_optim_states_name(rank, mp_rank)}"] = outer
+    return contents
 
 
 def main(argv=None) -> int:

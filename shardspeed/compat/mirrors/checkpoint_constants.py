@@ -82,3 +82,36 @@ PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patter
 TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
 PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
 PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
+
+# -- AutoEP: the model-states entry `ds_autoep_layers` (one dict per AutoEP layer) and its fields, as shardspeed's
+# AutoEP checkpoints write and check them (moe/autoep_checkpoint.py); "zero3_partitioned" names DeepSpeed's ZeRO-3
+# expert layout, which shardspeed neither writes nor reads (AutoEP refuses ZeRO stage 3)
+AUTOEP_LAYERS_KEY = "ds_autoep_layers"
+AUTOEP_LAYERS_KEY_LEGACY = "autoep_layers"
+AUTOEP_EXPERT_KEY_PREFIX = "expert_key_prefix"
+AUTOEP_NUM_EXPERTS = "num_experts"
+AUTOEP_NUM_LOCAL_EXPERTS = "num_local_experts"
+AUTOEP_EP_SIZE = "ep_size"
+AUTOEP_ZERO12_REQUIRED_FIELDS = (
+    AUTOEP_EXPERT_KEY_PREFIX,
+    AUTOEP_NUM_EXPERTS,
+    AUTOEP_NUM_LOCAL_EXPERTS,
+    AUTOEP_EP_SIZE,
+)
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY = "checkpoint_format"
+AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT = "zero3_partitioned"
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY = "checkpoint_format_version"
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION = 1
+__all__ += [
+    "AUTOEP_EP_SIZE",
+    "AUTOEP_EXPERT_KEY_PREFIX",
+    "AUTOEP_LAYERS_KEY",
+    "AUTOEP_LAYERS_KEY_LEGACY",
+    "AUTOEP_NUM_EXPERTS",
+    "AUTOEP_NUM_LOCAL_EXPERTS",
+    "AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY",
+    "AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION",
+    "AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY",
+    "AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT",
+    "AUTOEP_ZERO12_REQUIRED_FIELDS",
+]  # fmt: skip
