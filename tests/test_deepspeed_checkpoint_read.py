@@ -154,6 +154,19 @@ BAD = {
         ),
         ["zero_pp_rank_0_mp_rank_00_optim_states.pt was partitioned over 4 ranks"],
     ),
+    "slice mapping against the layout": (
+        lambda d: _rewrite(
+            d / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            lambda c: c["optimizer_state_dict"]["param_slice_mappings"][0].update(
+                {"out.bias": {"numel": 3, "start": 56}}
+            ),
+        ),
+        ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "param_slice_mappings puts 'out.bias'"],
+    ),
+    "NVMe offload": (
+        lambda d: (d / "offloaded_tensors" / "rank00").mkdir(parents=True),
+        ["offloaded_tensors", "NVMe-offloaded optimizer state"],
+    ),
     "round robin layout": (
         lambda d: _rewrite(
             d / "mp_rank_00_model_states.pt",

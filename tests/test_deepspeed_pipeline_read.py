@@ -42,9 +42,9 @@ BAD = {  # damage to a copy of the fixture's tag folder, and what the refusal mu
         lambda d: (d / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink(),
         ["zero_pp_rank_0_mp_rank_01_optim_states.pt is missing"],
     ),
-    "zero stage 0 (no parameter names)": (
+    "no parameter names and no optimizer state": (
         lambda d: _rewrite(d / "mp_rank_00_model_states.pt", lambda c: c.update(param_shapes=None)),
-        ["mp_rank_00_model_states.pt", "no 'param_shapes'", "ZeRO stage 1"],
+        ["mp_rank_00_model_states.pt", "neither parameter names ('param_shapes'", "nor optimizer state"],
     ),
     "tied layers": (
         lambda d: _rewrite(

@@ -269,7 +269,7 @@ def _deepspeed_stage_readers(path: Path, with_optimizer: bool) -> list[DeepSpeed
     readers = []
     for stage, raw in enumerate(stage_states(path, read_file)):
         reader = DeepSpeedCheckpointReader(path, model_states=raw, mp_rank=stage)
-        if with_optimizer and reader.zero_stage > 0:
+        if with_optimizer and reader.has_partition_files:
             for rank in range(reader.world_size):
                 reader.check_rank_file(rank)
         readers.append(reader)

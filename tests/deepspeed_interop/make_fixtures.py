@@ -10,11 +10,14 @@ tests/test_deepspeed_checkpoint_read.py resumes from each and compares. (fp16 is
 0.19.8 refuses fp16 on a CPU, "Type fp16 is not supported on your device".)
 
 `fixtures/pipe-s1-fp32` is the same for pipe_script.py (DeepSpeed's PipelineEngine, 2 ranks as 2 stages, ZeRO
-stage 1, fp32), read by tests/test_deepspeed_pipeline_read.py.
+stage 1, fp32), read by tests/test_deepspeed_pipeline_read.py; `fixtures/pipe-s0-fp32` and `pipe-s0-bf16` are
+the same at ZeRO stage 0 (fp32: the torch optimizer's state without names; bf16: DeepSpeed's BF16_Optimizer
+files), read by tests/test_deepspeed_pipeline_zero0_read.py.
 
 `fixtures/moe-ep<E>-s<S>` are the same for moe_script.py (one `deepspeed.moe.layer.MoE` layer of 2 experts at
 ep size E, ZeRO stage S, fp32, 2 ranks: DeepSpeed's expert and expp_rank files), read by
-tests/test_deepspeed_moe_checkpoint_read.py. Each is made by a process of its own, as DeepSpeed keeps its
+tests/test_deepspeed_moe_checkpoint_read.py, and `fixtures/moe-ep2-s0-bf16` the same in bf16 (DeepSpeed's bf16
+optimizer state in the expp_rank files). Each is made by a process of its own, as DeepSpeed keeps its
 expert groups in module globals (an earlier run's larger ep group would change which ranks write).
 """
 
@@ -56,6 +59,8 @@ def _moe_fixtures() -> None:
     for ep, stage in MOE_CASES:
         options = ["--world", "2", "--ep", str(ep), "--stage", str(stage)]
         _fixture(f"moe-ep{ep}-s{stage}", "moe_script.py", options)
+    options = ["--world", "2", "--ep", "2", "--stage", "0", "--dtype", "bf16"]
+    _fixture("moe-ep2-s0-bf16", "moe_script.py", options)
 
 
 def main(only: str | None = None) -> None:
@@ -64,7 +69,9 @@ def main(only: str | None = None) -> None:
         for stage, dtype in CASES:
             options = ["--world", "2", "--stage", str(stage), "--dtype", dtype]
             _fixture(f"s{stage}-{dtype}", "run_script.py", options)
-        _fixture("pipe-s1-fp32", "pipe_script.py", ["--world", "2", "--stages", "2", "--stage", "1"])
+        for stage, dtype in [(1, "fp32"), (0, "fp32"), (0, "bf16")]:
+            options = ["--world", "2", "--stages", "2", "--stage", str(stage), "--dtype", dtype]
+            _fixture(f"pipe-s{stage}-{dtype}", "pipe_script.py", options)
     _moe_fixtures()
 
 

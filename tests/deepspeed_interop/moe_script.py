@@ -51,8 +51,8 @@ class TinyMoE(torch.nn.Module):
         return self.out(torch.tanh(hidden)) + self.offset, l_aux
 
 
-def config(world: int, stage: int) -> dict:
-    return {
+def config(world: int, stage: int, dtype: str = "fp32") -> dict:
+    cfg = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
@@ -62,15 +62,18 @@ def config(world: int, stage: int) -> dict:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }  # fmt: skip
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def train_step(engine, step: int, aux: float = AUX) -> float:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = batch(step, rank, world, torch.float32)
+    x, y = batch(step, rank, world, torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)
     prediction, l_aux = engine(x)
-    loss = torch.nn.functional.mse_loss(prediction, y) + aux * l_aux
+    loss = torch.nn.functional.mse_loss(prediction.float(), y) + aux * l_aux.float()
     engine.backward(loss)
     engine.step()
     mean = loss.detach().clone()
@@ -78,8 +81,9 @@ def train_step(engine, step: int, aux: float = AUX) -> float:
     return mean.item() / world
 
 
-def full_weights(module, ep_size: int) -> dict:
-    """Every parameter, experts under their global index, gathered from the ranks that hold them."""
+def full_weights(module, ep_size: int, masters=None) -> dict:
+    """Every parameter, experts under their global index, gathered from the ranks that hold them; in bf16 the
+    fp32 masters `masters(param)` gives, where it gives one."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -88,7 +92,8 @@ def full_weights(module, ep_size: int) -> dict:
     ]  # every rank has the same names and shapes (its own experts' values)
     for name, p in module.named_parameters():
         pieces = [torch.empty_like(p, dtype=torch.float32) for _ in range(world)]
-        dist.all_gather(pieces, p.detach().float().contiguous())
+        master = masters(p) if masters is not None else None
+        dist.all_gather(pieces, (p if master is None else master).detach().float().contiguous())
         for rank in range(world):
             gathered[rank][name] = pieces[rank]
     per_rank = NUM_EXPERTS // ep_size
@@ -104,13 +109,13 @@ def full_weights(module, ep_size: int) -> dict:
 
 
 def run(deepspeed, world: int, ep: int, stage: int, save: str | None = None, load: str | None = None,
-        aux: float = AUX) -> dict:  # fmt: skip
+        aux: float = AUX, dtype: str = "fp32") -> dict:  # fmt: skip
     """In every rank of an initialised process group: train and save then go on (`save`), or resume from
     `load` and go on. Returns what `result.pt` holds."""
     torch.manual_seed(0)
     model = TinyMoE(deepspeed, ep)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=list(model.parameters()), config=config(world, stage)
+        model=model, model_parameters=list(model.parameters()), config=config(world, stage, dtype)
     )
     if load:
         path, client = engine.load_checkpoint(load)
@@ -125,7 +130,8 @@ def run(deepspeed, world: int, ep: int, stage: int, save: str | None = None, loa
     losses = [train_step(engine, step, aux) for step in range(first, first + STEPS_AFTER)]
     counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "lr": engine.get_lr()[0]}  # fmt: skip
-    return {"losses": losses, "weights": full_weights(engine.module, ep), "counters": counters}
+    masters = deepspeed.utils.safe_get_full_fp32_param if dtype == "bf16" else None
+    return {"losses": losses, "weights": full_weights(engine.module, ep, masters), "counters": counters}
 
 
 def rank_main(rank, args, port):
@@ -138,7 +144,7 @@ def rank_main(rank, args, port):
     deepspeed.init_distributed(dist_backend="gloo")
     for job in args.jobs:  # several runs share the start-up of one process group
         result = run(deepspeed, args.world, job["ep"], job["stage"], save=job.get("save"), load=job.get("load"),
-                     aux=job.get("aux", AUX))  # fmt: skip
+                     aux=job.get("aux", AUX), dtype=job.get("dtype", "fp32"))  # fmt: skip
         if rank == 0:
             torch.save(result, job["out"])
         dist.barrier()
@@ -154,8 +160,9 @@ def main(argv=None):
     parser.add_argument("--load")
     parser.add_argument("--out")
     parser.add_argument("--aux", type=float, default=AUX, help="weight of the gate's load-balancing loss")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument(
-        "--jobs", help="a JSON file: a list of {ep, stage, save or load, out, aux}, run in turn"
+        "--jobs", help="a JSON file: a list of {ep, stage, save or load, out, aux, dtype}, run in turn"
     )
     args = parser.parse_args(argv)
     if args.jobs:
@@ -165,7 +172,7 @@ def main(argv=None):
         if bool(args.save) == bool(args.load) or not args.out:
             parser.error("give --jobs, or --out and exactly one of --save and --load")
         args.jobs = [{"ep": args.ep, "stage": args.stage, "save": args.save, "load": args.load, "out": args.out,
-                      "aux": args.aux}]  # fmt: skip
+                      "aux": args.aux, "dtype": args.dtype}]  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

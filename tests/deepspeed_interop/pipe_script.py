@@ -27,9 +27,9 @@ def layers(deepspeed) -> list:
             spec(torch.nn.Linear, 9, 7), spec(torch.nn.Tanh), spec(torch.nn.Linear, 7, 3)]  # fmt: skip
 
 
-def config(world: int, stages: int, stage: int) -> dict:
+def config(world: int, stages: int, stage: int, dtype: str = "fp32") -> dict:
     replicas = world // stages
-    return {
+    cfg = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GLOBAL_BATCH // (MICRO * replicas),
@@ -39,15 +39,18 @@ def config(world: int, stages: int, stage: int) -> dict:
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }  # fmt: skip
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
-def micro_batches(step: int, replica: int, replicas: int):
+def micro_batches(step: int, replica: int, replicas: int, dtype=torch.float32):
     """This replica's micro-batches of step `step` (the global batch is the same at every degree)."""
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, 5, generator=g)
     y = torch.randn(GLOBAL_BATCH, 3, generator=g)
     per = GLOBAL_BATCH // replicas
-    x, y = x[replica * per : (replica + 1) * per], y[replica * per : (replica + 1) * per]
+    x, y = x[replica * per : (replica + 1) * per].to(dtype), y[replica * per : (replica + 1) * per]
     return iter([(x[i : i + MICRO], y[i : i + MICRO]) for i in range(0, per, MICRO)])
 
 
@@ -55,20 +58,27 @@ def train_step(engine, step: int) -> float:
     import torch.distributed as dist
 
     replicas = engine.grid.get_data_parallel_world_size()
-    loss = engine.train_batch(micro_batches(step, engine.grid.get_data_parallel_rank(), replicas))
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    loss = engine.train_batch(micro_batches(step, engine.grid.get_data_parallel_rank(), replicas, dtype))
     # train_batch's loss is the last stage's mean over the replica's micro-batches, broadcast in the pipeline
     mean = loss.detach().clone().float()
     dist.all_reduce(mean)
     return mean.item() / dist.get_world_size()
 
 
-def full_weights(engine, out: str) -> dict:
-    """Every parameter by name, fp32, on rank 0: each rank writes what its stage holds next to `out` (no
-    object collectives: they need numpy), rank 0 merges."""
+def full_weights(engine, deepspeed, out: str) -> dict:
+    """Every parameter by name, fp32 (the fp32 master in bf16), on rank 0: each rank writes what its stage
+    holds next to `out` (no object collectives: they need numpy), rank 0 merges."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    torch.save({n: p.detach().float().clone() for n, p in engine.module.named_parameters()}, f"{out}.{rank}")
+    weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    if engine.bfloat16_enabled():  # every rank of the stage's data-parallel group asks, in the same order
+        for name, param in engine.module.named_parameters():
+            master = deepspeed.utils.safe_get_full_fp32_param(param)
+            if master is not None:
+                weights[name] = master.detach().float().clone()
+    torch.save(weights, f"{out}.{rank}")
     dist.barrier()
     merged = {}
     if rank == 0:
@@ -79,7 +89,7 @@ def full_weights(engine, out: str) -> dict:
     return dict(sorted(merged.items()))
 
 
-def run(deepspeed, world: int, stages: int, stage: int, out: str, save=None, load=None) -> dict:
+def run(deepspeed, world: int, stages: int, stage: int, out: str, save=None, load=None, dtype="fp32") -> dict:
     """In every rank: train, save, go on (`save`), or resume from `load` and go on; what `result.pt` holds
     (the weights on rank 0 only; `out` names the temporary files they are gathered through)."""
     torch.manual_seed(0)
@@ -88,7 +98,7 @@ def run(deepspeed, world: int, stages: int, stage: int, out: str, save=None, loa
     )
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
-        config=config(world, stages, stage),
+        config=config(world, stages, stage, dtype),
     )  # fmt: skip
     if load:
         path, client = engine.load_checkpoint(load)
@@ -103,7 +113,7 @@ def run(deepspeed, world: int, stages: int, stage: int, out: str, save=None, loa
     losses = [train_step(engine, step) for step in range(first, first + STEPS_AFTER)]
     counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "lr": engine.get_lr()[0]}  # fmt: skip
-    return {"losses": losses, "weights": full_weights(engine, out), "counters": counters}
+    return {"losses": losses, "weights": full_weights(engine, deepspeed, out), "counters": counters}
 
 
 def rank_main(rank, args, port):
@@ -114,7 +124,16 @@ def rank_main(rank, args, port):
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    result = run(deepspeed, args.world, args.stages, args.stage, args.out, save=args.save, load=args.load)
+    result = run(
+        deepspeed,
+        args.world,
+        args.stages,
+        args.stage,
+        args.out,
+        save=args.save,
+        load=args.load,
+        dtype=args.dtype,
+    )
     if rank == 0:
         torch.save(result, args.out)
     dist.barrier()
@@ -126,6 +145,7 @@ def main(argv=None):
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--stage", type=int, default=1, help="ZeRO stage (0 or 1)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--save")
     parser.add_argument("--load")
     parser.add_argument("--out", required=True)

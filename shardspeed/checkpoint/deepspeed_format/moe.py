@@ -19,9 +19,16 @@ What DeepSpeed 0.19 writes for such a model (learnt from its engine.py `_save_mo
   expert-data-parallel group, holding the rank's own experts). `param_shapes` names the expert group's
   parameters by their local index (rank 0's).
 
-Read here: fp32 training, ZeRO stages 0-2, any number of MoE layers sharing one ep size. Refused, naming the
-file: fp16/bf16, layers of different ep sizes at stage 0, AutoEP layers, the old layout without layer ids
-(`num_experts` not a list), and the expert-data-before-expert-parallel topology.
+In bf16 the layout is the same, with 16-bit weights in `module` and the expert files and the fp32 masters in
+the optimizer files: at ZeRO stage 0 each expp file's `optimizer` is DeepSpeed's bf16 optimizer state (the
+torch state dict under `optimizer_state_dict`, the masters under `fp32_groups`, one per parameter of each
+group, in the group's order); at stages 1-2 the partition files are named `bf16_zero_pp_rank_<r>_...` and
+hold the masters in their flat groups, as in fp32.
+
+Read here: fp32 and bf16 training, ZeRO stages 0-2, any number of MoE layers sharing one ep size. Refused,
+naming the file: fp16 (DeepSpeed 0.19.8 runs no fp16 on a CPU, so no such checkpoint could be checked), layers
+of different ep sizes at stage 0, AutoEP layers, the old layout without layer ids (`num_experts` not a list),
+and the expert-data-before-expert-parallel topology.
 """
 
 from __future__ import annotations
@@ -99,10 +106,10 @@ class DeepSpeedMoECheckpoint:
         if raw.get("ds_autoep_layers"):
             raise CheckpointError(f"{where} holds AutoEP layers (ds_autoep_layers), which are not read")
         config = raw.get("ds_config") or {}
-        for key in ("fp16", "bf16"):
-            if isinstance(config.get(key), dict) and config[key].get("enabled") is True:
-                raise CheckpointError(f"{where} was saved with {key} enabled: DeepSpeed MoE checkpoints are read "
-                                      "in fp32 only by this version")  # fmt: skip
+        if isinstance(config.get("fp16"), dict) and config["fp16"].get("enabled") is True:
+            raise CheckpointError(f"{where} was saved with fp16 enabled: DeepSpeed MoE checkpoints are read in "
+                                  "fp32 and bf16 only by this version")  # fmt: skip
+        self._bf16 = isinstance(config.get("bf16"), dict) and config["bf16"].get("enabled") is True
         if config.get("use_data_before_expert_parallelism"):
             raise CheckpointError(f"{where} was saved with use_data_before_expert_parallelism, whose expert "
                                   "group topology is not read")  # fmt: skip
@@ -198,8 +205,11 @@ class DeepSpeedMoECheckpoint:
             global_names = [
                 self._global(n, ep, ep_rank) for n in self._local_names(ep, range(len(self.num_experts)))
             ]
-            self._take_stage0(path, dense, self.dense_names, inner["state"], take=ep_rank == 0)
-            self._take_stage0(path, experts, global_names, inner["state"], take=True)
+            masters = self._expp_masters(ep_rank, inner, path)
+            self._take_stage0(
+                path, dense, self.dense_names, inner["state"], take=ep_rank == 0, masters=masters
+            )
+            self._take_stage0(path, experts, global_names, inner["state"], take=True, masters=masters)
             if ep_rank == 0:
                 self._groups = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
 
@@ -209,6 +219,8 @@ class DeepSpeedMoECheckpoint:
             raise CheckpointError(f"DeepSpeed MoE checkpoint {self.path} lacks {path.name} (the optimizer state of "
                                   "expert-parallel rank 0)")  # fmt: skip
         inner = read_file(path, mmap=True).get("optimizer")
+        if self._bf16 and isinstance(inner, dict):  # the bf16 optimizer's state: torch's dict inside
+            inner = inner.get("optimizer_state_dict")
         if not isinstance(inner, dict) or "param_groups" not in inner or "state" not in inner:
             raise CheckpointError(f"{path} has no torch optimizer state dict under 'optimizer'")
         return inner
@@ -221,10 +233,23 @@ class DeepSpeedMoECheckpoint:
                                   "stage 0 (its expp_rank files are per expert-parallel rank of one group)")  # fmt: skip
         return sizes.pop()
 
+    def _expp_masters(self, ep_rank: int, inner: dict, path: Path) -> dict | None:
+        """bf16: optimizer index -> its fp32 master (`fp32_groups`, group by group in the groups' order)."""
+        if not self._bf16:
+            return None
+        groups = read_file(path, mmap=True)["optimizer"].get("fp32_groups")
+        sizes = [len(g["params"]) for g in inner["param_groups"]]
+        if not isinstance(groups, list) or [len(g) for g in groups] != sizes:
+            raise CheckpointError(f"{path}: bf16 run without fp32 masters for every parameter of each group "
+                                  f"('fp32_groups' sizes {[len(g) for g in groups or []]}, groups {sizes})")  # fmt: skip
+        return {i: m for g, ms in zip(inner["param_groups"], groups) for i, m in zip(g["params"], ms)}
+
     def _expp_file(self, ep_rank: int) -> Path:
         return self.path / f"expp_rank_{ep_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
 
-    def _take_stage0(self, path: Path, groups: list, names: list, state: dict, take: bool) -> None:
+    def _take_stage0(
+        self, path: Path, groups: list, names: list, state: dict, take: bool, masters=None
+    ) -> None:
         indices = [i for g in groups for i in g["params"]]
         if len(indices) != len(names):
             raise CheckpointError(f"{path}: its groups hold {len(indices)} parameters where the model-states and "
@@ -233,16 +258,21 @@ class DeepSpeedMoECheckpoint:
             return
         for index, name in zip(indices, names):
             held = state.get(index, {})
+            if masters is not None:
+                held = {**held, "fp32 master": masters[index]}  # checked with the state, then taken out
             for key, value in held.items():
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape != self._values[name].shape:
                     raise CheckpointError(f"{path}: state {key!r} of index {index} has shape {tuple(value.shape)}, "
                                           f"parameter {name!r} {tuple(self._values[name].shape)}")  # fmt: skip
+            if masters is not None:
+                self._values[name] = held.pop("fp32 master")
             self._states[name] = held
 
     # -- stages 1-2 ------------------------------------------------------------------------------------------
 
     def _partition(self, rank: int) -> tuple[Path, dict]:
-        path = self.path / f"zero_pp_rank_{rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
+        prefix = "bf16_" if self._bf16 else ""
+        path = self.path / f"{prefix}zero_pp_rank_{rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
         if not path.is_file():
             raise CheckpointError(f"DeepSpeed MoE checkpoint {self.path} is incomplete: saved by {self.world_size} "
                                   f"ranks at ZeRO stage {self.zero_stage}, but {path.name} is missing")  # fmt: skip

@@ -16,6 +16,12 @@ Stage 0 keeps the torch optimizer's state dict in `optimizer` (fp32), or inside 
 `optimizer_state_dict` with the fp32 masters in `fp32_groups` (bf16/fp16). DeepSpeed records no parameter
 names there: optimizer index k is the k-th parameter of the module (the order DeepSpeed's engine passes them
 in); the count and every shape are checked.
+
+DeepSpeed's `BF16_Optimizer` (a bf16 pipeline at ZeRO stage 0, or bf16 with fp32 gradient accumulation at
+stage 1) writes `bf16_zero_pp_rank_<D>_mp_rank_XX_optim_states.pt` in the ZeRO-1 flat layout too, with three
+differences: its `optimizer_state_dict` records no `zero_stage` and no `param_alignment_paddings`, and every
+rank's fp32 slice keeps its end padding. Its `param_slice_mappings` (each parameter's start and size in the
+rank's slice) are checked against the layout, as ZeRO-1/2's are.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from shardspeed.checkpoint.named_values import SlicedValues, numel
 __all__ = [
     "SUPPORTED_VERSIONS",
     "DeepSpeedCheckpointReader",
+    "is_bf16_optimizer_state",
     "is_deepspeed_state",
     "model_states_path",
     "read_file",
@@ -99,6 +106,28 @@ def _refuse_moe(tag_dir: Path, path: Path, state: dict, mp_rank: int) -> None:
     )
 
 
+def is_bf16_optimizer_state(osd) -> bool:
+    """Whether an optimizer state dict is DeepSpeed's `BF16_Optimizer`'s (flat fp32 slices, no ZeRO stage)."""
+    return (
+        isinstance(osd, dict)
+        and "single_partition_of_fp32_groups" in osd
+        and "base_optimizer_state" in osd
+        and "zero_stage" not in osd
+    )
+
+
+def _refuse_nvme_offload(tag_dir: Path) -> None:
+    """With `offload_optimizer.device: nvme` DeepSpeed copies its swap folder into `offloaded_tensors/rank<R>/`:
+    raw buffers named by its internal parameter ids, which its partition files do not replace. Not read here;
+    refused rather than resumed without that state."""
+    offloaded = tag_dir / "offloaded_tensors"
+    if offloaded.exists():
+        raise CheckpointError(
+            f"{offloaded} holds DeepSpeed's NVMe-offloaded optimizer state (raw swap files named by DeepSpeed's "
+            "internal parameter ids), which this version does not read"
+        )
+
+
 def _zero_stage(path: Path, state: dict) -> int:
     zero = (state.get("ds_config") or {}).get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
@@ -126,6 +155,7 @@ class DeepSpeedCheckpointReader(SlicedValues):
         raw = model_states if model_states is not None else read_file(self._model_file, mmap=True)
         self.version = _check_version(self._model_file, raw)
         _refuse_moe(self.path, self._model_file, raw, mp_rank)
+        _refuse_nvme_offload(self.path)
         self._raw = raw
         self.zero_stage = _zero_stage(self._model_file, raw)
         self.world_size = int(raw.get("dp_world_size") or 1)
@@ -140,11 +170,18 @@ class DeepSpeedCheckpointReader(SlicedValues):
         self._stage0_values: dict[str, torch.Tensor] = {}
         self._stage0_states: dict[str, dict] = {}
         self._layout = None
-        if self.zero_stage == 0:
+        # BF16_Optimizer's files (module docstring): ZeRO-1's flat layout whatever the configured stage
+        self.bf16_optimizer = is_bf16_optimizer_state(raw.get("optimizer"))
+        if self.zero_stage == 0 and not self.bf16_optimizer:
             self._shapes = self._module_param_shapes()
             self._index_stage0()
         else:
             self._index_partitions()
+
+    @property
+    def has_partition_files(self) -> bool:
+        """Whether the optimizer state is in per-rank partition files (ZeRO 1-3, or BF16_Optimizer's)."""
+        return self._layout is not None
 
     # -- indexing ------------------------------------------------------------------------------------------
 
@@ -226,6 +263,7 @@ class DeepSpeedCheckpointReader(SlicedValues):
                 f"ranks at ZeRO stage {self.zero_stage}, but {', '.join(missing)} is missing"
             )
         first = self._optimizer_dict(0)
+        self.bf16_optimizer = is_bf16_optimizer_state(first)
         if self.zero_stage == 3:
             self._layout = layouts.Zero3Layout(buffers, self.world_size)
             groups = first["optimizer_state_dict"]["param_groups"]
@@ -235,6 +273,7 @@ class DeepSpeedCheckpointReader(SlicedValues):
             self._layout = layouts.Zero12Layout(buffers, paddings, self.world_size)
             groups = first["base_optimizer_state"]["param_groups"]
             owner = {g: g for g in range(len(buffers))}
+        self._check_sizes(self._partition_path(0), 0, self._rank_files[0])  # read before the layout was known
         order = {n: i for i, n in enumerate(self._param_keys())}
         flat = {n: torch.Size(s) for g in buffers for n, s in g}
         self._shapes = {n: flat.get(n, self._frozen_shapes.get(n)) for n in sorted(order, key=order.get)}
@@ -269,9 +308,13 @@ class DeepSpeedCheckpointReader(SlicedValues):
                 f"{path} has no 'optimizer_state_dict': not a DeepSpeed ZeRO partition file"
             )
         stage = osd.get("zero_stage")
-        if stage != self.zero_stage:
+        if stage != self.zero_stage and not (is_bf16_optimizer_state(osd) and self.zero_stage < 2):
             raise CheckpointError(
                 f"{path} says ZeRO stage {stage}, the checkpoint's config {self.zero_stage}"
+            )
+        if self._layout is not None and is_bf16_optimizer_state(osd) != self.bf16_optimizer:
+            raise CheckpointError(
+                f"{path} and the partition file of rank 0 were written by different optimizers"
             )
         if self.zero_stage == 3:
             fp32, base = osd.get("fp32_flat_groups"), osd.get("optimizer_state_dict")
@@ -302,6 +345,8 @@ class DeepSpeedCheckpointReader(SlicedValues):
         lay = self._layout
         if isinstance(lay, layouts.Zero3Layout):
             fp32_sizes, state_sizes = lay.buffer_numel, lay.buffer_numel
+        elif self.bf16_optimizer:  # BF16_Optimizer keeps every rank's whole slice, end padding included
+            fp32_sizes = state_sizes = lay.partition_numel
         else:
             fp32_sizes = [lay.expected_fp32_numel(rank, g) for g in range(len(lay.partition_numel))]
             state_sizes = lay.partition_numel
@@ -317,6 +362,23 @@ class DeepSpeedCheckpointReader(SlicedValues):
                     raise CheckpointError(
                         f"{path}: optimizer state {key!r} of buffer {index} has {value.numel()} elements, "
                         f"expected {size}"
+                    )
+        if isinstance(lay, layouts.Zero12Layout):
+            self._check_slice_mappings(path, rank, entry["optimizer"].get("param_slice_mappings"))
+
+    def _check_slice_mappings(self, path: Path, rank: int, mappings) -> None:
+        """DeepSpeed's own record of where each parameter's piece is in this rank's slices (ZeRO-1/2 and
+        BF16_Optimizer files) must be where the layout computed from `param_shapes` puts it."""
+        if not isinstance(mappings, list):
+            return
+        for group, mapping in enumerate(mappings):
+            for name, address in (mapping or {}).items():
+                held = [(at, hi - lo) for lo, hi, at in self._layout.held_by(name, rank)] if (
+                    name in self._layout.places and self._layout.group_of(name) == group) else []  # fmt: skip
+                if held != [(address.get("start"), address.get("numel"))]:
+                    raise CheckpointError(
+                        f"{path}: param_slice_mappings puts {name!r} at {address} of group {group}, the layout "
+                        f"of the recorded parameter shapes at {held or 'no place'} (rank {rank} of {self.world_size})"
                     )
 
     # -- what the checkpoint holds (CheckpointReader's interface) ------------------------------------------

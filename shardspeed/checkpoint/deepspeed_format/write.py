@@ -13,9 +13,18 @@ group hyper-parameters, the counters, the LR scheduler, the data sampler and the
 Plain types are pickled, and the two objects DeepSpeed's loaders need as objects, under DeepSpeed's names:
 a static loss scaler of scale 1 (fp32 and bf16 runs have no scale to carry) and the ZeRO stage
 (pickled.py; nothing of DeepSpeed is imported). Not written: DeepSpeed's `param_slice_mappings`
-(only its universal-checkpoint conversion reads them), an fp16 loss scale, pipeline and tensor-parallel
-files (such checkpoints are refused by name). A checkpoint of a model with MoE layers is written in DeepSpeed's
-MoE layout by write_moe.py.
+(only its universal-checkpoint conversion reads them), an fp16 loss scale and tensor-parallel files (such
+checkpoints are refused by name). A checkpoint of a model with MoE layers is written in DeepSpeed's MoE layout by
+write_moe.py.
+
+A pipeline checkpoint (shardspeed's PipelineEngine's) is written stage by stage (`_pipeline_contents`), as
+DeepSpeed's PipelineEngine saves one at ZeRO stage 0 or 1: the layer files as they are, and for each stage SS
+its `mp_rank_SS_model_states.pt` (`module` None, the stage's `param_shapes`, `mp_world_size` and
+`checkpoint_parallel_dimensions.pp_degree` = the stage count; at ZeRO-0 the stage's torch optimizer state,
+indexed in the stage's parameter order) and its `zero_pp_rank_D_mp_rank_SS_optim_states.pt` at ZeRO-1. The
+stage count and partition are the saved ones (DeepSpeed's PipelineModule must be built with the same); the
+data-parallel size may change. Refused by name: bf16 at ZeRO-0 (DeepSpeed runs its BF16_Optimizer there, whose
+files are not written), ZeRO stages 2-3 (DeepSpeed's pipelines do not run them), tied layers.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from shardspeed.checkpoint import files
 from shardspeed.checkpoint.deepspeed_format import pickled
 from shardspeed.checkpoint.deepspeed_format.engine_view import read_model_states
 from shardspeed.checkpoint.deepspeed_format.layout import Zero3Layout, Zero12Layout
+from shardspeed.checkpoint.deepspeed_format.pipeline_source import layer_file_names, stage_sources
 from shardspeed.checkpoint.deepspeed_format.read import model_states_path, read_file
 from shardspeed.checkpoint.deepspeed_format.write_moe import MoESource, moe_files
 from shardspeed.checkpoint.files import CheckpointError
@@ -50,10 +60,10 @@ _OURS = {
     "ds_config", "ds_version", "shardspeed_version", "num_experts", "moe_layout", "ds_autoep_layers", "random_ltd",
     "curriculum_scheduler_legacy",
 }  # fmt: skip
-# (shardspeed's MoE checkpoints are written by write_moe.py; DeepSpeed's own are not rewritten)
+# (shardspeed's MoE checkpoints are written by write_moe.py, its pipeline checkpoints by `_pipeline_contents`;
+# DeepSpeed's own are not rewritten)
 _NOT_WRITTEN = {
     "num_experts": "DeepSpeed MoE",
-    "pipeline": "pipeline-parallel",
     "tp_partitions": "tensor-parallel",
 }
 
@@ -69,9 +79,13 @@ def _dtype(ds_config: dict) -> torch.dtype:
 class _Source:
     """What the writer needs from the source checkpoint, by name."""
 
-    def __init__(self, checkpoint_dir, tag):
-        self.reader = open_checkpoint(checkpoint_dir, tag)
-        self.entries = read_model_states(self.reader.path)
+    def __init__(self, checkpoint_dir, tag, stage_source=None):
+        """`stage_source`: one pipeline stage's (reader, entries) from pipeline_source.py instead."""
+        if stage_source is not None:
+            self.reader, self.entries = stage_source
+        else:
+            self.reader = open_checkpoint(checkpoint_dir, tag)
+            self.entries = read_model_states(self.reader.path)
         for key, what in _NOT_WRITTEN.items():
             if self.entries.get(key):
                 raise CheckpointError(
@@ -270,6 +284,13 @@ def write_deepspeed_checkpoint(
     if "moe_layout" in entries:  # ours, with MoE layers (DeepSpeed's own MoE checkpoints are refused below)
         name, contents = _moe_contents(path, entries, world_size, zero_stage)
         return _write(Path(output_dir), name, contents)
+    if entries.get("pipeline"):  # ours, from a PipelineEngine
+        return _write(Path(output_dir), path.name, _pipeline_contents(path, world_size, zero_stage))
+    if getattr(entries, "pipeline_stages", 1) > 1:
+        raise CheckpointError(
+            f"{path} is a DeepSpeed pipeline checkpoint ({entries.pipeline_stages} stages): it is in DeepSpeed's "
+            "layout already; rewriting it at another data-parallel size is not offered by this version"
+        )
     source = _Source(checkpoint_dir, tag)
     world = int(world_size or source.reader.world_size)
     stage = source.reader.zero_stage if zero_stage is None else int(zero_stage)
@@ -316,6 +337,46 @@ def _write(out: Path, name: str, contents: dict) -> Path:
     files.atomic_write_text(out / files.LATEST, name)
     read_file(model_states_path(final))  # what was written reads back weights-only
     return final
+
+
+def _pipeline_contents(tag_dir: Path, world_size, zero_stage) -> dict:
+    """A shardspeed pipeline checkpoint's files in DeepSpeed's pipeline layout (the module's docstring)."""
+    sources = [_Source(None, None, stage_source=s) for s in stage_sources(tag_dir)]
+    first = sources[0]
+    world = int(world_size or first.reader.world_size)
+    stage = first.reader.zero_stage if zero_stage is None else int(zero_stage)
+    if stage not in (0, 1) or world < 1:
+        raise CheckpointError(
+            f"{tag_dir} is a pipeline checkpoint: DeepSpeed's PipelineEngine runs ZeRO stage 0 or 1 and world size "
+            f">= 1 data-parallel ranks, not stage {stage!r} at {world!r}"
+        )
+    if stage == 0 and first.dtype == torch.bfloat16:
+        raise CheckpointError(
+            f"{tag_dir}: a bf16 pipeline at ZeRO stage 0 runs DeepSpeed's BF16_Optimizer, whose files this version "
+            "does not write (write it at --zero-stage 1)"
+        )
+    contents = {}
+    for mp_rank, source in enumerate(sources):
+        source.ds_config["zero_optimization"] = {
+            **(source.ds_config.get("zero_optimization") or {}),
+            "stage": stage,
+        }
+        model = _model_states(source, world, stage, 0)
+        model.pop("pipeline", None)
+        model.update(module=None, mp_world_size=len(sources), shared_params=None if stage == 0 else {},
+                     checkpoint_parallel_dimensions={"pp_degree": len(sources), "tp_degree": 1})  # fmt: skip
+        contents[files.model_states_name(mp_rank)] = model
+        for name in layer_file_names(tag_dir, source.entries):
+            contents[name] = files.load_file(tag_dir / name)
+        prefix = "bf16_" if source.dtype == torch.bfloat16 else ""
+        for rank, osd in enumerate(_zero12_files(source, world, stage) if stage == 1 else []):
+            outer = {
+                "optimizer_state_dict": osd,
+                "ds_config": source.ds_config,
+                "ds_version": DEEPSPEED_VERSION,
+            }
+            contents[f"{prefix}{files.zero_optim_states_name(rank, mp_rank)}"] = outer
+    return contents
 
 
 def main(argv=None) -> int:
