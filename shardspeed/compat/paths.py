@@ -274,6 +274,8 @@ PATHS: dict[str, object] = {
     "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": "shardspeed.compat.mirrors.optimizer_classes:ZeroStage12Optimizer",
     "runtime.zero.parameter_offload.DeepSpeedZeRoOffload": "shardspeed.compat.mirrors.optimizer_classes:ZeroParameterOffload",
     "zero.DeepSpeedZeRoOffload": "shardspeed.compat.mirrors.optimizer_classes:ZeroParameterOffload",
+    "runtime.zero.parameter_offload.ZeROOrderedDict": "shardspeed.zero.parameter_dict:ZeROOrderedDict",
+    "runtime.zero.parameter_offload.ensure_zero_ordered_dict": "shardspeed.zero.parameter_dict:ensure_zero_ordered_dict",
     "runtime.fp16.fused_optimizer.FP16_Optimizer": "shardspeed.compat.mirrors.optimizer_classes:FP16Optimizer",
     "runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "shardspeed.compat.mirrors.optimizer_classes:FP16UnfusedOptimizer",
     "runtime.bf16_optimizer.BF16_Optimizer": "shardspeed.compat.mirrors.optimizer_classes:BF16Optimizer",
@@ -319,6 +321,9 @@ PATHS: dict[str, object] = {
     "runtime.pipe.topology._prime_factors": "shardspeed.compat.mirrors.runtime_utils:prime_factors",
     "runtime.comm.coalesced_collectives.all_to_all_quant_reduce": NotOffered(
         "quantized all-to-all gradient reduction (ZeRO++ qgZ) is not built"
+    ),
+    "runtime.zero.partition_parameters._contradicting_single_rank_pg_error": (
+        "shardspeed.zero.init:contradicting_single_rank_group_error"
     ),
     "runtime.zero.partition_parameters.partitioned_param_data_shape": (
         "shardspeed.compat.mirrors.zero_partition_parameters:partitioned_param_data_shape"
