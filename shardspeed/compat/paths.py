@@ -415,6 +415,19 @@ PATHS: dict[str, object] = {
     "checkpoint.ds_to_universal": "shardspeed.checkpoint.to_universal",
     "checkpoint.constants": "shardspeed.compat.mirrors.checkpoint_constants",
     "checkpoint.*": "shardspeed.compat.mirrors.checkpoint_constants",
+    "checkpoint.model_3d_desc": "shardspeed.compat.mirrors.reshape_3d:model_3d_desc",
+    "checkpoint.get_model_3d_descriptor": "shardspeed.compat.mirrors.reshape_3d:get_model_3d_descriptor",
+    "checkpoint.ZeROCheckpoint": "shardspeed.compat.mirrors.reshape_3d:ZeROCheckpoint",
+    "checkpoint.reshape_3d_utils": "shardspeed.compat.mirrors.reshape_3d",
+    "checkpoint.zero_checkpoint": "shardspeed.compat.mirrors.reshape_3d",
+    "checkpoint.ds_to_universal._aggregate_autoep_zero12_metadata": NotOffered(
+        "AutoEP checkpoints (their per-family ZeRO metadata) are not built; saving or loading a model with AutoEP "
+        "layers is refused"
+    ),
+    "runtime.engine._checkpoint_parallel_metadata": NotOffered(
+        "shardspeed's model-states files record no checkpoint_parallel_dimensions entry (the tensor layout is "
+        "its own part, pipeline stages their layer files); get_model_3d_descriptor reads the degrees from the files"
+    ),
     # -- process groups and communication -----------------------------------------------------------------
     "moe.mappings": NotOffered("expert tensor parallelism is not built", True),
     "moe.utils.MoE": "shardspeed.moe.layer:MoE",

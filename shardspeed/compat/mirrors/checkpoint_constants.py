@@ -7,7 +7,7 @@ in either library; shardspeed's universal folders (checkpoint/universal_folder.p
 from __future__ import annotations
 
 __all__ = [
-    "AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS", "BASE_OPTIMIZER_STATE", "BASE_OPTIMIZER_STATE_STEP",
+    "AUTOEP_LAYERS_KEY", "AUTOEP_LAYERS_KEY_LEGACY", "AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS", "BASE_OPTIMIZER_STATE", "BASE_OPTIMIZER_STATE_STEP",
     "BF16_ZERO_FILE_PREFIX", "BUFFER_NAMES", "CAT_DIM", "CHECKPOINT_PARALLEL_DIMS", "CHECKPOINT_PP_DEGREE",
     "CHECKPOINT_TP_DEGREE", "CLIP_GRAD", "DS_AUTOTP_UC_META", "DS_VERSION",
     "FP16_ZERO_FILE_PREFIX", "FP32_FLAT_GROUPS", "FP32_GROUPS", "FP32_WEIGHT_KEY", "FROZEN_PARAM_FRAGMENTS",
@@ -82,3 +82,8 @@ PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patter
 TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
 PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
 PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
+
+# -- the model-states entry DeepSpeed records AutoEP layers under (AutoEP checkpoints are refused here; the
+# names let code test for the entry) -------------------------------------------------------------------------
+AUTOEP_LAYERS_KEY = "ds_autoep_layers"
+AUTOEP_LAYERS_KEY_LEGACY = "autoep_layers"
