@@ -119,7 +119,8 @@ def test_bad_saves_fail_the_same_way_on_every_rank_and_keep_the_previous_checkpo
     fail = out["tags differ, Fail"]
     assert fail.startswith("TagMismatchError: ") and "rank 0: 'tag-0', rank 1: 'tag-1'" in fail
     assert out["tags differ, Warn"] == "ok: True" and out["tags differ, Ignore"] == "ok: True"
-    assert out["warn saved"] == ["latest", "tag-0"]  # rank 0's tag, one consistent checkpoint
+    # rank 0's tag, one consistent checkpoint (and, at ZeRO stage 1, the recovery script beside it)
+    assert out["warn saved"] == ["latest", "tag-0", "zero_to_fp32.py"]
     assert out["warn loads"].endswith("/warn/tag-0")
     client = out["client_state on one rank"]
     assert client.startswith("TypeError: ") and "failed on rank 1" in client and "client_state" in client
@@ -134,7 +135,7 @@ def test_bad_saves_fail_the_same_way_on_every_rank_and_keep_the_previous_checkpo
         and "own-1" in differs
     )
     # Nothing of the failed saves is left, nothing earlier is lost.
-    assert out["keep after failures"] == ["good", "latest"]
+    assert out["keep after failures"] == ["good", "latest", "zero_to_fp32.py"]
     assert out["latest after failures"] == "good"
     assert out["keep loads"].endswith("/keep/good")
 

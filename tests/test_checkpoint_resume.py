@@ -177,3 +177,56 @@ def _save_twice(root: str, steps: int):
     engine.save_checkpoint(root)
     engine.save_checkpoint(root, tag="named")
     engine.save_checkpoint(root, tag="named")  # re-saving a tag replaces it
+
+
+def _load_in_turns(root: str) -> dict:
+    """Stage 3 with `pipeline_loading_checkpoint`: each rank notes, while it copies its partition, when each
+    sub-group starts (pausing a little, so that ranks copying at the same time would interleave)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    import shardspeed
+
+    shardspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = base_config(zero_optimization={"stage": 3, "pipeline_loading_checkpoint": True, "reduce_bucket_size": 3000,
+                                            "stage3_param_persistence_threshold": 0})  # fmt: skip
+    engine = _engine(config)
+    train_engine(engine, token_batches(2, engine.train_batch_size()), range(2), rank, world)
+    engine.save_checkpoint(root, tag="t")
+    saved = full_params(engine)
+
+    fresh = _engine(config)  # the initial values: the saved ones are 2 steps further
+    moved = any(not torch.equal(v, full_params(fresh)[k]) for k, v in saved.items())
+    log = os.path.join(root, "copies")
+    copy_sub_group = fresh.optimizer._bucket_stepped
+
+    def noted(index: int) -> None:
+        with open(log, "a") as f:
+            f.write(f"{rank}\n")
+        time.sleep(0.02)
+        copy_sub_group(index)
+
+    fresh.optimizer._bucket_stepped = noted
+    fresh.load_checkpoint(root, tag="t")
+    dist.barrier()
+    with open(log) as f:
+        order = [int(line) for line in f]
+    loaded = full_params(fresh)
+    return {"order": order, "same": moved and all(torch.equal(v, loaded[k]) for k, v in saved.items())}
+
+
+def test_pipeline_loading_checkpoint_copies_one_rank_after_another(tmp_path):
+    from shardspeed.config import ConfigError
+    from shardspeed.config.loader import load_config
+
+    for result in run_ranks(_load_in_turns, 2, str(tmp_path)):
+        assert result["same"]
+        order = result["order"]
+        assert len(order) > 2 and order == sorted(order), order  # all of rank 0's copies, then rank 1's
+    with pytest.raises(ConfigError, match="pipeline_loading_checkpoint: true is supported only with"):
+        load_config(
+            {"train_batch_size": 1, "zero_optimization": {"stage": 2, "pipeline_loading_checkpoint": True}}
+        )

@@ -435,6 +435,20 @@ def test_deepspeed_zero_config_is_the_checked_block_under_deepspeeds_field_names
     config = zero_config.DeepSpeedZeroConfig(stage3_prefetch_bucket_size=12345, stage3_max_reuse_distance=7)
     assert (config.prefetch_bucket_size, config.max_reuse_distance) == (12345, 7)
     assert zero_config.DeepSpeedZeroConfig().offload_param is None
+    # deprecations are logged through the logger, as DeepSpeed's class does (ZeRO-3 elastic checkpoints too)
+    from shardspeed.utils.logging import logger
+
+    warned = []
+    real_warning = logger.warning
+    logger.warning = warned.append
+    try:
+        zero_config.DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+        zero_config.DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)  # DeepSpeed warns at stage 3 only
+        zero_config.DeepSpeedZeroConfig(cpu_offload=True)
+    finally:
+        logger.warning = real_warning
+    assert len(warned) == 2 and "ZeRO-3 elastic checkpointing is deprecated" in warned[0], warned
+    assert "'zero_optimization.cpu_offload' is deprecated" in warned[1]
     try:  # DeepSpeed's class is a pydantic model: with pydantic installed, its ValidationError
         from pydantic import ValidationError as expected
     except ImportError:

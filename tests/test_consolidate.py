@@ -7,7 +7,9 @@ One world-2 spawn saves every checkpoint; everything else runs in this (non-dist
 
 import copy
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -222,6 +224,43 @@ def test_cli(saved, tmp_path):
 
     failed = subprocess.run([*cmd[:-2], str(tmp_path / "nowhere"), str(out)], capture_output=True, text=True)
     assert failed.returncode == 1 and "nowhere" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_recovery_script_beside_zero_checkpoints(saved, tmp_path, monkeypatch):
+    """As DeepSpeed: a ZeRO (stage >= 1) save leaves an executable zero_to_fp32.py beside its tags, which
+    consolidates the checkpoint when run from there; a stage 0 save does not."""
+    from shardspeed.checkpoint.recovery_script import make_executable
+    from shardspeed.runtime.engine_checkpoint_files import CheckpointFiles
+    from shardspeed.utils.logging import logger
+
+    root, _ = saved
+    for label, (stage, _, _) in CASES.items():
+        assert (root / label / "zero_to_fp32.py").is_file() == (stage > 0), label
+    script = root / "s3" / "zero_to_fp32.py"
+    assert os.stat(script).st_mode & stat.S_IXUSR
+    done = subprocess.run(
+        [sys.executable, script.name, ".", str(tmp_path / "out")],
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    written = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    expected = get_fp32_state_dict_from_zero_checkpoint(root / "s3")
+    assert set(written) == set(expected) and all(torch.equal(written[k], expected[k]) for k in expected)
+
+    # a file system refusing the permission change (or a script gone) is logged, not raised
+    logged = []
+    monkeypatch.setattr(logger, "info", lambda message, *a, **k: logged.append(message))
+    make_executable(tmp_path / "gone" / "zero_to_fp32.py")
+    assert len(logged) == 1 and "could not make" in logged[0] and "gone" in logged[0]
+
+    # DeepSpeed's name of an expert-parallel rank's optimizer file (DeepSpeed's MoE layout, ZeRO stage 0)
+    engine = type(
+        "Engine", (CheckpointFiles,), {"_checkpoint_placement": lambda self: type("P", (), {"mp_rank": 1})}
+    )
+    name = engine()._get_optimizer_ckpt_name("/ckpt", 7, expp_rank=3)
+    assert name == os.path.join("/ckpt", "7", "expp_rank_3_mp_rank_01_optim_states.pt")
 
 
 def test_broken_checkpoints_name_the_file(saved, tmp_path):

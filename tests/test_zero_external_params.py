@@ -4,6 +4,9 @@ module returns from its forward for its caller to use (`return out, self.bias`, 
 test_zero_context_return). The unit is gathered for the module that uses it, and training matches one process
 without ZeRO."""
 
+import copy
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -107,3 +110,91 @@ def test_a_parameter_used_outside_its_module_trains_like_one_process(model_name)
             expected = {name: [] for name in result["external"]}
             expected[""] = [result["bias_id"]]
             assert result["external"] == expected, result["external"]
+
+
+class LateHead(nn.Module):
+    """Two layers; a head attached after `initialize` that shares `linear1`'s weight (a tied output layer)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.linear1, self.linear2 = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        hidden = self.linear2(self.linear1(x))
+        head = getattr(self, "head", None)
+        return (head(hidden) if head is not None else hidden).pow(2).mean()
+
+
+def _tie_head(model: LateHead) -> None:
+    head = nn.Linear(16, 16, bias=False)
+    head.weight = model.linear1.weight  # a partitioned parameter under ZeRO-3: empty until gathered
+    head._parameters = dict(head._parameters)  # torch's own container, whatever this torch's default is
+    model.head = head
+
+
+def _train_late_head() -> dict:
+    import torch.distributed as dist
+
+    import shardspeed
+    from shardspeed.zero.parameter_dict import ZeROOrderedDict
+
+    torch.manual_seed(0)
+    model = LateHead()
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1}}  # fmt: skip
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    containers = {n: m._parameters for n, m in model.named_modules()}
+    _tie_head(model)
+    losses = []
+    for batch in _data():
+        loss = engine(batch[dist.get_rank()])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with shardspeed.zero.GatheredParameters(list(model.parameters())):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {
+        "params": params,
+        "late_converted": isinstance(model.head._parameters, ZeROOrderedDict),
+        "kept": all(m._parameters is containers[n] for n, m in model.named_modules() if n in containers),
+        "all_converted": all(isinstance(c, ZeROOrderedDict) for c in containers.values()),
+    }
+
+
+def test_a_module_attached_after_initialize_gathers_the_parameters_it_reads():
+    torch.manual_seed(0)
+    reference = LateHead()
+    _tie_head(reference)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for batch in _data():
+        loss = (reference(batch[0]) + reference(batch[1])) / 2
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    for result in run_ranks(_train_late_head, 2):
+        assert result["all_converted"] and result["late_converted"] and result["kept"]
+        for name, value in reference.named_parameters():
+            assert result["params"][name].shape == value.shape, name
+            assert torch.allclose(result["params"][name], value.detach(), atol=1e-6), name
+
+
+def test_ensure_zero_ordered_dict_converts_once_and_keeps_the_first_container():
+    from shardspeed.zero.parameter_dict import ZeROOrderedDict, ensure_zero_ordered_dict
+
+    layer = nn.Linear(4, 4)
+    first = layer._parameters
+    ensure_zero_ordered_dict(layer)
+    converted = layer._parameters
+    assert isinstance(converted, ZeROOrderedDict) and list(converted) == ["weight", "bias"]
+    assert layer._original_parameters is first and layer.weight is first["weight"]
+    ensure_zero_ordered_dict(layer)
+    assert layer._parameters is converted  # idempotent
+    layer._parameters = dict(converted)  # replaced again by someone: converted, the first original kept
+    ensure_zero_ordered_dict(layer)
+    assert isinstance(layer._parameters, ZeROOrderedDict) and layer._original_parameters is first
+    bare = types.SimpleNamespace(_parameters=None)
+    ensure_zero_ordered_dict(bare)  # nothing to convert: left as it is
+    assert bare._parameters is None and not hasattr(bare, "_original_parameters")
+    copied = copy.deepcopy(layer)  # a copy is not part of a running model: no coordinator comes with it
+    assert isinstance(copied._parameters, ZeROOrderedDict) and copied._parameters.coordinators == []
+    assert copied._parameters._parent_module is copied and torch.equal(copied.weight, layer.weight)

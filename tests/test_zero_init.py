@@ -84,3 +84,45 @@ def test_init_partitions_and_matches_normal_construction():
                 assert (built[rank]["trained"][name] - value).abs().max() <= 1e-6, name
             for name, value in reference_apply.items():
                 assert torch.equal(built[rank]["apply_values"][name], value), name
+
+
+def _init_over_a_group_made_too_early() -> dict:
+    """A one-rank default group made before the launcher's (a library calling init_process_group on its own),
+    while WORLD_SIZE says 2 processes were started."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    import shardspeed
+
+    from harness import error_text
+
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    os.environ["WORLD_SIZE"] = "2"
+    refused = error_text(lambda: shardspeed.zero.Init())
+    # one rank chosen by the caller is intended: partitioned over it, no error
+    with shardspeed.zero.Init(data_parallel_group=dist.new_group([0])):
+        layer = nn.Linear(4, 4)
+    os.environ["WORLD_SIZE"] = "1"
+    with shardspeed.zero.Init():  # a genuine one-process run
+        single = nn.Linear(4, 4)
+    return {"refused": refused, "explicit": layer.weight.ds_numel, "single": single.weight.ds_numel}
+
+
+def test_init_refuses_a_one_rank_group_under_a_multi_process_launcher():
+    from shardspeed.zero.init import contradicting_single_rank_group_error as check
+
+    out = run_ranks(_init_over_a_group_made_too_early, 1)[0]
+    assert out["refused"].startswith(
+        "RuntimeError: zero.Init would partition parameters over a process group of 1"
+    )
+    assert "WORLD_SIZE=2" in out["refused"] and "init_distributed" in out["refused"]
+    assert out["explicit"] == out["single"] == 16
+    # the rule itself: only the default group, only when the launcher's WORLD_SIZE is a number above 1
+    assert check(1, None, {"WORLD_SIZE": "8"}) is not None
+    assert check(8, None, {"WORLD_SIZE": "8"}) is None
+    assert check(1, object(), {"WORLD_SIZE": "8"}) is None
+    for env in ({}, {"WORLD_SIZE": "1"}, {"WORLD_SIZE": ""}, {"WORLD_SIZE": "x"}, {"WORLD_SIZE": None}):
+        assert check(1, None, env) is None, env

@@ -54,6 +54,12 @@ def moe_optim_states_name(dp_rank: int) -> str:
     return f"moe_rank_{dp_rank}_mp_rank_00_optim_states.pt"
 
 
+def expert_optim_states_name(ep_rank: int, mp_rank: int = 0) -> str:
+    """DeepSpeed's file of expert-parallel rank `ep_rank`'s whole optimizer state in a ZeRO stage 0 checkpoint
+    of a model with MoE layers (shardspeed reads it from DeepSpeed's checkpoints; its own are `moe_rank_*`)."""
+    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
 def rng_states_name(rank: int) -> str:
     return f"rng_states_rank_{rank}.pt"
 

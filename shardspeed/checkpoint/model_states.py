@@ -29,6 +29,7 @@ from shardspeed.checkpoint import files, verify
 from shardspeed.checkpoint import tensor_parallel as tp_files
 from shardspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointReader, deepspeed_raw
 from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.node_turns import node_turns
 from shardspeed.checkpoint.parts import LoadContext, LoadOptions, Part, Placement, SaveOptions
 from shardspeed.utils.logging import log_dist
 
@@ -62,7 +63,8 @@ class ModelStates(Part):
     holds_weights = True
     reads_universal = True  # loads DeepSpeed's universal folders (`checkpoint.load_universal`)
 
-    def __init__(self, module, optimizer, placement: Placement, *, zero_stage: int, tp, ds_config, version):
+    def __init__(self, module, optimizer, placement: Placement, *, zero_stage: int, tp, ds_config, version,
+                 load_in_turns: bool = False):  # fmt: skip
         self.module = module
         self.optimizer = optimizer  # the stage's wrapper, or None
         self.placement = placement
@@ -70,6 +72,8 @@ class ModelStates(Part):
         self.tp = tp  # the tensor-parallel part (rank, size, partitions), or None
         self.ds_config = ds_config
         self.version = version
+        # `pipeline_loading_checkpoint` (stage 3): a machine's ranks copy their partitions one after another
+        self.load_in_turns = load_in_turns
         self._universal = None  # (path, reader) of the universal folder `check` opened, for `load_state_dict`
 
     # -- save -------------------------------------------------------------------------------------------------
@@ -342,8 +346,9 @@ class ModelStates(Part):
         if unexpected or [k for k in missing if k not in params]:
             raise CheckpointError(f"checkpoint {path} buffers do not match the model: {missing + unexpected}")
         saved = self._optimizer_partition(path)
+        turns = node_turns(self.load_in_turns, self.placement.device)
         try:
-            self.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer_states)
+            self.optimizer.load_state_dict(saved, load_optimizer_states=load_optimizer_states, reading=turns)
         except (KeyError, ValueError, RuntimeError) as err:
             raise CheckpointError(f"ZeRO-3 partition in {path} does not match this engine: {err}") from err
 

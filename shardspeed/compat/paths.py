@@ -289,6 +289,8 @@ PATHS: dict[str, object] = {
     "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer": "shardspeed.compat.mirrors.optimizer_classes:ZeroStage12Optimizer",
     "runtime.zero.parameter_offload.DeepSpeedZeRoOffload": "shardspeed.compat.mirrors.optimizer_classes:ZeroParameterOffload",
     "zero.DeepSpeedZeRoOffload": "shardspeed.compat.mirrors.optimizer_classes:ZeroParameterOffload",
+    "runtime.zero.parameter_offload.ZeROOrderedDict": "shardspeed.zero.parameter_dict:ZeROOrderedDict",
+    "runtime.zero.parameter_offload.ensure_zero_ordered_dict": "shardspeed.zero.parameter_dict:ensure_zero_ordered_dict",
     "runtime.fp16.fused_optimizer.FP16_Optimizer": "shardspeed.compat.mirrors.optimizer_classes:FP16Optimizer",
     "runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "shardspeed.compat.mirrors.optimizer_classes:FP16UnfusedOptimizer",
     "runtime.bf16_optimizer.BF16_Optimizer": "shardspeed.compat.mirrors.optimizer_classes:BF16Optimizer",
@@ -334,6 +336,9 @@ PATHS: dict[str, object] = {
     "runtime.pipe.topology._prime_factors": "shardspeed.compat.mirrors.runtime_utils:prime_factors",
     "runtime.comm.coalesced_collectives.all_to_all_quant_reduce": NotOffered(
         "quantized all-to-all gradient reduction (ZeRO++ qgZ) is not built"
+    ),
+    "runtime.zero.partition_parameters._contradicting_single_rank_pg_error": (
+        "shardspeed.zero.init:contradicting_single_rank_group_error"
     ),
     "runtime.zero.partition_parameters.partitioned_param_data_shape": (
         "shardspeed.compat.mirrors.zero_partition_parameters:partitioned_param_data_shape"
@@ -425,6 +430,19 @@ PATHS: dict[str, object] = {
     "checkpoint.ds_to_universal": "shardspeed.checkpoint.to_universal",
     "checkpoint.constants": "shardspeed.compat.mirrors.checkpoint_constants",
     "checkpoint.*": "shardspeed.compat.mirrors.checkpoint_constants",
+    "checkpoint.model_3d_desc": "shardspeed.compat.mirrors.reshape_3d:model_3d_desc",
+    "checkpoint.get_model_3d_descriptor": "shardspeed.compat.mirrors.reshape_3d:get_model_3d_descriptor",
+    "checkpoint.ZeROCheckpoint": "shardspeed.compat.mirrors.reshape_3d:ZeROCheckpoint",
+    "checkpoint.reshape_3d_utils": "shardspeed.compat.mirrors.reshape_3d",
+    "checkpoint.zero_checkpoint": "shardspeed.compat.mirrors.reshape_3d",
+    "checkpoint.ds_to_universal._aggregate_autoep_zero12_metadata": NotOffered(
+        "AutoEP checkpoints (their per-family ZeRO metadata) are not built; saving or loading a model with AutoEP "
+        "layers is refused"
+    ),
+    "runtime.engine._checkpoint_parallel_metadata": NotOffered(
+        "shardspeed's model-states files record no checkpoint_parallel_dimensions entry (the tensor layout is "
+        "its own part, pipeline stages their layer files); get_model_3d_descriptor reads the degrees from the files"
+    ),
     # -- process groups and communication -----------------------------------------------------------------
     "moe.mappings": NotOffered("expert tensor parallelism is not built", True),
     "moe.utils.MoE": "shardspeed.moe.layer:MoE",

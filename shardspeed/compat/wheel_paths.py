@@ -196,10 +196,9 @@ _NAMES_NOT_OFFERED = {
     ),
     "ops.op_builder": ("CUDAOpBuilder TorchCPUOpBuilder", KERNELS),
     "runtime.zero.partition_parameters": (
-        "get_allgather_dtype zero3_linear_wrap _contradicting_single_rank_pg_error",
+        "get_allgather_dtype zero3_linear_wrap",
         INTERNAL,
     ),
-    "runtime.zero.parameter_offload": ("ZeROOrderedDict ensure_zero_ordered_dict", INTERNAL),
     "runtime.zero.offload_states": ("get_state_devices _make_offload_state_key", INTERNAL),
     "runtime.utils": ("register_output_backward_hooks", INTERNAL),
     "sequence.layer": ("_SeqAllToAll", INTERNAL),

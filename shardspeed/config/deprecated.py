@@ -10,6 +10,7 @@ declared as ``Key(aliases=...)`` on the field itself. This module rewrites the f
 * ``zero_optimization.cpu_offload_param: true``   -> ``zero_optimization.offload_param: {"device": "cpu"}``
   (``false`` sets nothing: no offload, the default, as DeepSpeed maps it to no block)
 * ``zero_optimization.cpu_offload_use_pin_memory`` -> ``pin_memory`` of those offload blocks (none: no effect)
+* ``zero_optimization.elastic_checkpoint: true`` at stage 3: kept, with DeepSpeed's deprecation warning
 
 Each mapping adds a note (warned by the loader) saying what it did; giving an old form and its replacement
 is an error.
@@ -36,6 +37,7 @@ def map_deprecated(config: dict[str, Any], ctx: BuildContext) -> dict[str, Any]:
         _cpu_offload(zero, "cpu_offload", "offload_optimizer", ctx)
         _cpu_offload(zero, "cpu_offload_param", "offload_param", ctx)
         _pin_memory(zero, ctx)
+        _elastic_checkpoint_at_stage3(zero, ctx)
     return config
 
 
@@ -119,4 +121,15 @@ def _pin_memory(zero: dict[str, Any], ctx: BuildContext) -> None:
         ctx.notes.append(
             f"config key '{ZERO}.{old}' is deprecated; there is no offload block to pin, so it has no effect "
             f"(remove it; 'pin_memory' of '{ZERO}.offload_optimizer' / '{ZERO}.offload_param' replaces it)"
+        )
+
+
+def _elastic_checkpoint_at_stage3(zero: dict[str, Any], ctx: BuildContext) -> None:
+    """DeepSpeed deprecated ZeRO-3 elastic checkpoints for universal checkpoints and warns about the key; here
+    every checkpoint loads at any world size and stage, so the key changes nothing, and the warning says so."""
+    if zero.get("elastic_checkpoint") is True and zero.get("stage") == 3:
+        ctx.notes.append(
+            f"config key '{ZERO}.elastic_checkpoint': ZeRO-3 elastic checkpointing is deprecated (DeepSpeed no "
+            "longer supports it; use universal checkpointing). shardspeed's checkpoints load at any world size "
+            "and ZeRO stage without it (remove the key)"
         )

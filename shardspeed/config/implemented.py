@@ -82,6 +82,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "zero_optimization.log_trace_cache_warnings",
         "zero_optimization.leaf_module",
         "zero_optimization.memory_efficient_linear",
+        "zero_optimization.pipeline_loading_checkpoint",  # stage 3: a machine's ranks load one after another
         "zero_optimization.legacy_stage1",
         "zero_optimization.round_robin_gradients",
         "zero_optimization.offload_optimizer.device",

@@ -269,7 +269,7 @@ class ZeroConfig:
     memory_efficient_linear: bool = True
     """zero.Init replaces F.linear with a memory-efficient version. Default true."""
     pipeline_loading_checkpoint: bool = False
-    """Stage 3: load checkpoints node by node. Default false."""
+    """Stage 3: the ranks of a machine copy their checkpoint partitions one after another. Default false."""
     override_module_apply: bool = True
     """zero.Init gathers parameters inside nn.Module.apply. Default true."""
     log_trace_cache_warnings: bool = False
@@ -289,6 +289,11 @@ class ZeroConfig:
                 f"remove the key and use stage 1"
             )
         self._check_offload(path)
+        if self.pipeline_loading_checkpoint and self.stage != 3:
+            raise ConfigError(
+                f"{join(path, 'pipeline_loading_checkpoint')}: true is supported only with {join(path, 'stage')} 3 "
+                f"(as in DeepSpeed), got stage {self.stage}"
+            )
         if not self.compute_grad_norm and self.stage not in (1, 2):
             raise ConfigError(
                 f"{join(path, 'compute_grad_norm')}: false is supported only with {join(path, 'stage')} 1 or 2, "

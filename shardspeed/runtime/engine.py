@@ -40,6 +40,7 @@ from shardspeed.runtime.autotuning_probe import AutotuningProbe
 from shardspeed.runtime.builders import resolve_lr_scheduler, resolve_optimizer
 from shardspeed.runtime.compiler import ModuleCompiler
 from shardspeed.runtime.data import ShardedDataLoader
+from shardspeed.runtime.engine_checkpoint_files import CheckpointFiles
 from shardspeed.runtime.engine_data_efficiency import DataEfficiencyMethods
 from shardspeed.runtime.engine_extras import EngineExtras
 from shardspeed.runtime.engine_getters import ConfigGetters
@@ -69,7 +70,9 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
         torch._foreach_copy_([t.data for t in same_dtype], [p.view_as(t) for p, t in zip(pieces, same_dtype)])
 
 
-class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEfficiencyMethods, nn.Module):
+class ShardspeedEngine(
+    ConfigGetters, IntegrationMethods, EngineExtras, DataEfficiencyMethods, CheckpointFiles, nn.Module
+):
     """DeepSpeed's `DeepSpeedEngine` contract: call it, `backward(loss)`, `step()` every micro-batch."""
 
     def __init__(
@@ -419,7 +422,10 @@ class ShardspeedEngine(ConfigGetters, IntegrationMethods, EngineExtras, DataEffi
             self._config.checkpoint.tag_validation,
         )
         options = SaveOptions(exclude_frozen=exclude_frozen_parameters)
-        return save_checkpoint(parts, settings, save_dir, tag, client_state or {}, save_latest, options)
+        saved = save_checkpoint(parts, settings, save_dir, tag, client_state or {}, save_latest, options)
+        if self.global_rank == 0 and self.zero_optimization_stage() > 0 and self.basic_optimizer is not None:
+            self._copy_recovery_script(save_dir)  # beside the tags, as DeepSpeed leaves its zero_to_fp32.py
+        return saved
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip

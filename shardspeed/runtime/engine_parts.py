@@ -72,6 +72,11 @@ def model_part(engine, cls=None, **extra) -> ModelStates:
         cls = MoEModelStates if getattr(engine, "moe", None) is not None else ModelStates
     if cls is MoEModelStates:
         extra["moe"] = engine.moe
+        if engine._config.zero_optimization.pipeline_loading_checkpoint:
+            raise NotImplementedError(
+                "zero_optimization.pipeline_loading_checkpoint: loading in turns is not built for models with MoE "
+                "layers (their experts load from per-expert files); remove the key"
+            )
     return cls(
         engine.module,
         engine.optimizer,
@@ -80,6 +85,7 @@ def model_part(engine, cls=None, **extra) -> ModelStates:
         tp=getattr(engine, "tensor_parallel", None),
         ds_config=engine.config,
         version=__version__,
+        load_in_turns=engine._config.zero_optimization.pipeline_loading_checkpoint,
         **extra,
     )
 

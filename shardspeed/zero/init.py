@@ -21,6 +21,7 @@ exists, AVAILABLE while gathered), `ds_shape`, `ds_numel`, `ds_tensor` (this ran
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -129,9 +130,21 @@ class Init:
         if not enabled:
             return
         init_distributed()
+        if sequence_data_parallel_group is not None:  # DeepSpeed's deprecated name for the same argument
+            if data_parallel_group is not None:
+                raise ValueError(
+                    "zero.Init: give data_parallel_group or the deprecated sequence_data_parallel_group, not both"
+                )
+            data_parallel_group = sequence_data_parallel_group
         self.group = data_parallel_group if data_parallel_group is not None else (
             mpu.get_data_parallel_group() if mpu is not None else None
         )  # fmt: skip
+        # A group the caller chose (directly or through the mpu) may have one rank on purpose; the world
+        # group having one rank under a multi-process launcher means it was made before the launcher's
+        # (every rank would then build the whole model: an out-of-memory that looks like "model too big").
+        contradiction = contradicting_single_rank_group_error(dist.get_world_size(self.group), self.group)
+        if contradiction is not None:
+            raise RuntimeError(contradiction)
         self.dtype = dtype or _dtype_from_config(config_dict_or_path or config)
         self.remote = None if remote_device in (None, "none") else (
             RemoteTier(remote_device, pin_memory, config_dict_or_path or config)
@@ -163,6 +176,34 @@ class Init:
             if _active == 0:
                 _uninstall()
         return False
+
+
+def contradicting_single_rank_group_error(dp_world_size: int, explicit_process_group, env=None) -> str | None:
+    """What is wrong when zero.Init would partition over one rank while the launcher started several, else
+    None (DeepSpeed's `_contradicting_single_rank_pg_error`).
+
+    The launcher (`deepspeed`, `torchrun`, accelerate, ...) sets `WORLD_SIZE`. If a one-rank process group was
+    created before zero.Init (a library calling `init_process_group` on its own, before
+    `init_distributed()`), the default group has one rank and nothing would be partitioned. Only the default
+    group is judged: an `explicit_process_group` of one rank is the caller's choice. A `WORLD_SIZE` that is
+    not a number says nothing about the launcher, so it is no error either.
+    """
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launched = int(env.get("WORLD_SIZE") or 0)
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (
+        f"zero.Init would partition parameters over a process group of 1 rank, but the launcher started "
+        f"WORLD_SIZE={launched} processes: a one-rank process group was initialized before zero.Init (for "
+        f"example by a library loading the model before deepspeed.init_distributed()), so every rank would build "
+        f"the whole model. Call deepspeed.init_distributed() before building the model under zero.Init, or pass "
+        f"data_parallel_group explicitly if one rank is intended"
+    )
 
 
 def _dtype_from_config(config) -> torch.dtype | None:

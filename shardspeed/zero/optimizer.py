@@ -393,25 +393,25 @@ class ZeroOptimizer(OptimizerWrapper):
             return []
         return [u for u in self.coordinator.units if u.group_index is None]
 
-    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
-        """Restore this rank's shards; with `load_optimizer_states=False` only the fp32 weights. Sub-group by
-        sub-group: under NVMe offload one is in memory at a time (and a memory-mapped checkpoint is read as
-        it is copied)."""
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True, reading=None) -> None:
+        """This rank's shards (only fp32 weights without `load_optimizer_states`), one sub-group at a time (NVMe
+        offload; a memory-mapped file is read as copied), inside `reading` (pipeline_loading_checkpoint)."""
         if [b.layout() for b in self.buckets] != state["buckets"]:
             raise ValueError("the saved ZeRO partition layout differs from this engine's")
         frozen = self._frozen_units()
         if [u.layout() for u in frozen] != state.get("frozen_buckets", []):
             raise ValueError("the saved frozen-parameter partition layout differs from this engine's")
-        group_of = {id(m): g for g in self.optimizer.param_groups for m in g["params"]}
-        for index, master in enumerate(self.masters):
-            with self._resident_state([index]):
-                master.copy_(state["fp32_shards"][index])
-                if load_optimizer_states:
-                    saved = state["optimizer_states"][index]
-                    self.optimizer.state[master] = place_optimizer_state(saved, master, group_of[id(master)])
-                self._bucket_stepped(index)  # the shard takes the master's value (stage 3: written home)
-        for unit, saved in zip(frozen, state.get("frozen_shards", [])):
-            unit.shard.copy_(saved)
+        groups = [self.optimizer.param_groups[bucket.group_index] for bucket in self.buckets]
+        with reading if reading is not None else contextlib.nullcontext():
+            for index, master in enumerate(self.masters):
+                with self._resident_state([index]):
+                    master.copy_(state["fp32_shards"][index])
+                    if load_optimizer_states:
+                        saved = state["optimizer_states"][index]
+                        self.optimizer.state[master] = place_optimizer_state(saved, master, groups[index])
+                    self._bucket_stepped(index)  # the shard takes the master's value (stage 3: written home)
+            for unit, saved in zip(frozen, state.get("frozen_shards", [])):
+                unit.shard.copy_(saved)
         if load_optimizer_states:
             for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
                 group.update(saved)

@@ -33,6 +33,7 @@ from torch import nn
 from shardspeed.core.partitioned import logical_numel
 from shardspeed.utils.logging import logger
 from shardspeed.zero.param_units import LiveNumel, ParamUnit, UnitState, plan_units
+from shardspeed.zero.parameter_dict import ensure_zero_ordered_dict
 
 
 def _returned_parameters(output) -> list[torch.Tensor]:
@@ -102,13 +103,13 @@ class Stage3Coordinator:
         for module in self._containers(root):
             self._hook(module, [])
         # Modules may read a child's parameters without calling the child (nn.MultiheadAttention reads
-        # out_proj.weight): parameter look-ups go through a dict that gathers on first use in a forward.
+        # out_proj.weight): parameter look-ups go through a dict that gathers on first use in a forward
+        # (parameter_dict.py); modules attached later are given one at the start of each forward.
         for module in root.modules():
             external_params_of(module)
             # DeepSpeed's method, which TRL's `remove_hooks` reads on the root: (id, parameter) pairs
             module.ds_external_parameters = types.MethodType(ds_external_parameters, module)
-            if any(p is not None and id(p) in self.owner for p in module._parameters.values()):
-                module._parameters = _GatheringParameters(module._parameters, self)
+            ensure_zero_ordered_dict(module, self)
 
     def _hook(self, module: nn.Module, needed: list[ParamUnit]) -> None:
         self.needs[module] = needed
@@ -217,6 +218,9 @@ class Stage3Coordinator:
         def pre_forward(module, args):
             if self.paused:
                 return
+            if module is self.root:  # modules attached since the last forward read parameters through one too
+                for child in module.modules():
+                    ensure_zero_ordered_dict(child, self)
             self.stack.append(module)
             for unit in units:
                 self._acquire(unit)
@@ -465,20 +469,6 @@ def _registered(handle) -> bool:
     """Whether the hook behind a torch RemovableHandle is still registered (its `remove()` not called)."""
     hooks = handle.hooks_dict_ref()
     return hooks is not None and handle.id in hooks
-
-
-class _GatheringParameters(dict):
-    """`module._parameters` for stage 3: reading a parameter inside a forward makes sure it is gathered."""
-
-    def __init__(self, params: dict, coordinator: Stage3Coordinator):
-        super().__init__(params)
-        self.coordinator = coordinator
-
-    def __getitem__(self, name: str):
-        param = super().__getitem__(name)
-        if param is not None and self.coordinator.stack:
-            self.coordinator.on_parameter_access(param)
-        return param
 
 
 def build_units(module: nn.Module, optimizer, names: dict, *, unit_numel: int, persistence_threshold: int,

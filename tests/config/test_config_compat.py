@@ -212,6 +212,12 @@ DEPRECATED = [
         "bfloat16",
         "bf16",
     ),
+    (  # kept (every checkpoint loads at any world size), with DeepSpeed's deprecation warning
+        {**BASE, "zero_optimization": {"stage": 3, "elastic_checkpoint": True}},
+        lambda c: c.zero_optimization.elastic_checkpoint,
+        "zero_optimization.elastic_checkpoint",
+        "universal checkpointing",
+    ),
 ]
 
 

@@ -46,7 +46,7 @@ from shardspeed.checkpoint.deepspeed_format.read import (
     model_states_path,
     read_file,
 )
-from shardspeed.checkpoint.files import CheckpointError
+from shardspeed.checkpoint.files import CheckpointError, expert_optim_states_name
 
 __all__ = ["DeepSpeedMoECheckpoint", "expert_file", "is_deepspeed_moe_state"]
 
@@ -245,7 +245,7 @@ class DeepSpeedMoECheckpoint:
         return {i: m for g, ms in zip(inner["param_groups"], groups) for i, m in zip(g["params"], ms)}
 
     def _expp_file(self, ep_rank: int) -> Path:
-        return self.path / f"expp_rank_{ep_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
+        return self.path / expert_optim_states_name(ep_rank, self.mp_rank)
 
     def _take_stage0(
         self, path: Path, groups: list, names: list, state: dict, take: bool, masters=None

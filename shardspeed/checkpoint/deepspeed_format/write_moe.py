@@ -257,9 +257,7 @@ def moe_files(source: MoESource, model_states: dict, world: int, stage: int, ver
     clip = float((model_states.get("ds_config") or {}).get("gradient_clipping", 1.0))
     if stage == 0:
         for ep_rank in range(ep):
-            out[f"expp_rank_{ep_rank}_mp_rank_00_optim_states.pt"] = {
-                "optimizer": _torch_state(source, ep_rank, ep)
-            }
+            out[files.expert_optim_states_name(ep_rank)] = {"optimizer": _torch_state(source, ep_rank, ep)}
         return out
     for rank in range(world):
         osd = {**_partition(source, world, ep, stage, rank, clip), "ds_version": version}

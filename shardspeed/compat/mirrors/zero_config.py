@@ -8,6 +8,7 @@ naming the key; the checks across blocks are left to `initialize`, as DeepSpeed 
 with those names as read-only properties. `overlap_comm` keeps shardspeed's default (on at every stage;
 docs/compatibility.md says why), not DeepSpeed's (on at stage 3 only). An invalid value raises pydantic's
 `ValidationError`, as DeepSpeed's pydantic class does, with the config system's message naming the key.
+Deprecated forms are mapped and logged with `logger.warning`, as DeepSpeed's class logs them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from shardspeed.config.build import BuildContext, _schema, build_block
 from shardspeed.config.deprecated import map_deprecated
 from shardspeed.config.errors import ConfigError
 from shardspeed.config.zero import ZeroConfig
+from shardspeed.utils.logging import logger
 
 __all__ = ["DeepSpeedZeroConfig"]
 
@@ -44,6 +46,8 @@ class DeepSpeedZeroConfig(ZeroConfig):
             raise _validation_error(error, block) from error
         for f in dataclasses.fields(ZeroConfig):
             setattr(self, f.name, getattr(built, f.name))
+        for note in ctx.notes:  # deprecations: DeepSpeed's class logs them through its logger
+            logger.warning(note)
 
 
 def _validation_error(error: ConfigError, block: dict):
