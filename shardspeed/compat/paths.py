@@ -207,9 +207,8 @@ PATHS: dict[str, object] = {
     "utils.get_tensor_model_parallel_world_size": "shardspeed.compat.mirrors.utils_groups:get_tensor_model_parallel_world_size",
     "utils.zero_to_fp32": "shardspeed.checkpoint.consolidate",
     "utils.comms_logging.CommsLogger": "shardspeed.comm.logger:CommsLogger",
-    "utils.pin_memory": NotOffered(
-        "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()", True
-    ),
+    "utils.pin_memory": "shardspeed.accelerator.native_pinning",
+    "utils.pin_memory_tracker": "shardspeed.accelerator.pinned_tracker",
     "utils.timer.trim_mean": "shardspeed.comm.logger:trim_mean",
     "utils.timer.ThroughputTimer": "shardspeed.runtime.throughput:ThroughputTimer",
     "utils.timer": NotOffered(

@@ -161,7 +161,6 @@ _STAND_IN_MODULES = {
     "utils.exceptions": INTERNAL,
     "utils.module_utils": INTERNAL,
     "utils.nvtx": "NVTX ranges are not emitted; torch.profiler records the engine's phases",
-    "utils.pin_memory_tracker": "pinned host memory is not tracked separately; torch allocates it",
     "utils.static_cache": INTERNAL,
     "utils.types": KERNELS,
     "utils.zero_to_torch": "use deepspeed.utils.zero_to_fp32 (its main() writes fp32 safetensors or "
