@@ -60,20 +60,8 @@ _AUTOTP_INTERNAL = (
     "an internal of DeepSpeed's AutoTP; shardspeed's AutoTP (init_inference tensor_parallel, tp_model_init and "
     "the tensor_parallel config block) shards the model itself"
 )
-_OTHER_DEVICES = (
-    "shardspeed runs on CUDA and the CPU only (accelerator.cuda_accelerator.CUDA_Accelerator, "
-    "accelerator.cpu_accelerator.CPU_Accelerator); get_accelerator() returns one of them"
-)
 _COMM_BACKENDS = "DeepSpeed's communication backend classes; shardspeed.comm calls torch.distributed directly"
 _STAND_IN_MODULES = {
-    "accelerator.hpu_accelerator": _OTHER_DEVICES,
-    "accelerator.klxpu_accelerator": _OTHER_DEVICES,
-    "accelerator.mlu_accelerator": _OTHER_DEVICES,
-    "accelerator.mps_accelerator": _OTHER_DEVICES,
-    "accelerator.npu_accelerator": _OTHER_DEVICES,
-    "accelerator.sdaa_accelerator": _OTHER_DEVICES,
-    "accelerator.supa_accelerator": _OTHER_DEVICES,
-    "accelerator.xpu_accelerator": _OTHER_DEVICES,
     "comm.backend": _COMM_BACKENDS,
     "comm.torch": _COMM_BACKENDS,
     "comm.ccl": _COMM_BACKENDS,
