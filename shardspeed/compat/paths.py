@@ -266,6 +266,7 @@ PATHS: dict[str, object] = {
     ),
     "sequence.fpdt_layer": NotOffered("FPDT (chunked long-sequence attention) layers are not built", True),
     "runtime.activation_checkpointing.checkpointing": "shardspeed.checkpointing",
+    "runtime.activation_checkpointing.offload_activations": "shardspeed.checkpointing.hidden_states_offload",
     "runtime.lr_schedules.*": "shardspeed.compat.mirrors.lr_schedule_keys",
     "runtime.dataloader.DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
     "runtime.dataloader.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",

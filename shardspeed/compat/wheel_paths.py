@@ -108,8 +108,6 @@ _STAND_IN_MODULES = {
         "DeepSpeed's config class for activation checkpointing; shardspeed reads the block into its one config "
         "system (deepspeed.checkpointing.configure takes the same config)"
     ),
-    "runtime.activation_checkpointing.offload_activations": "offloading hidden states to CPU memory between "
-    "forward and backward is not built; use cpu_checkpointing in the activation_checkpointing block",
     "runtime.checkpoint_engine": "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only "
     "checkpoint files itself",
     "runtime.model_checkpointing": "checkpoint writers are not pluggable: shardspeed writes atomic, "
