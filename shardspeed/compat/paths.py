@@ -398,10 +398,9 @@ PATHS: dict[str, object] = {
     "utils.set_z3_leaf_modules_by_suffix": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_suffix",
     "monitor.csv_monitor.csvMonitor": "shardspeed.monitor.csv_monitor:CsvMonitor",
     "monitor.config.DeepSpeedMonitorConfig": "shardspeed.compat.mirrors.runtime_config:DeepSpeedMonitorConfig",
-    "launcher.multinode_runner": NotOffered(
-        "DeepSpeed's runner classes are internal; shardspeed's launcher builds the same backends' commands "
-        "(shardspeed/launcher/multinode.py) behind the same flags",
-        True,
+    "launcher.multinode_runner": "shardspeed.compat.mirrors.launcher_backends",
+    "launcher.multinode_runner.MVAPICHRunner": NotOffered(
+        "shardspeed's launcher has no MVAPICH backend; MVAPICH2's hydra runs with --launcher mpich (MPICHRunner)"
     ),
     "launcher.multinode_runner.MultiNodeRunner": "shardspeed.compat.mirrors.launcher_runner:MultiNodeRunner",
     # -- deepspeed.checkpoint --------------------------------------------------------------------------------
