@@ -11,7 +11,7 @@ attention, ...) say they are not compatible, and `load()` raises NotOfferedError
 
 from __future__ import annotations
 
-from shardspeed.compat.mirrors.op_builder.evoformer_attn import EvoformerBuildQuestions
+from shardspeed.compat.mirrors.op_builder.evoformer_questions import EvoformerBuildQuestions
 from shardspeed.compat.not_offered import NotOfferedError
 
 __all__ = ["ALL_OPS", "COMPATIBLE_OPS", "OpBuilder"]
