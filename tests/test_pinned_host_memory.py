@@ -127,3 +127,36 @@ def test_tracker_totals_milestones_and_format():
     assert lines.lines[-1] == "[pinned-memory end] 140.000 GB pinned across 2 allocations"
     _tracker.reset()
     assert (_tracker._bytes, _tracker._calls) == (0, 0)
+
+
+def _offloaded_masters_native(stage: int) -> dict:
+    import os
+
+    import shardspeed
+    from shardspeed.accelerator import native_pinning as pinning
+
+    os.environ["DS_PIN_MEMORY_BACKEND"] = "native"
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    loss = engine(torch.randn(2, 16, dtype=torch.bfloat16)).float().square().mean()
+    engine.backward(loss)
+    engine.step()
+    pins = pinning.get_active_native_pinned_memory()
+    masters_pinned = all(pins.is_pinned(m) for m in engine.optimizer.masters)
+    before = len(pins._ranges)
+    engine.destroy()
+    return {"masters_pinned": masters_pinned, "before": before, "after": len(pins._ranges)}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_masters_are_natively_pinned_until_destroy(stage):
+    from harness import run_ranks
+
+    (result,) = run_ranks(_offloaded_masters_native, 1, stage)
+    assert result["masters_pinned"] and result["before"] > 0 and result["after"] == 0
