@@ -14,6 +14,9 @@ import os
 
 import torch
 
+from shardspeed.accelerator.native_pinning import get_active_native_pinned_memory
+from shardspeed.accelerator.pinned_tracker import track_pinned_memory
+
 __all__ = ["DeviceAccelerator", "chosen", "set_current"]
 
 _chosen: list = []  # an accelerator object set_accelerator() installed, overriding the automatic choice
@@ -90,15 +93,38 @@ class DeviceAccelerator:
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self._name
 
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        return tensor.pin_memory() if self._cuda else tensor
+    # -- pinned host memory: torch's pinning, or the native backend (native_pinning.py) when
+    # DS_PIN_MEMORY_BACKEND=native; both ask the environment on every call, as DeepSpeed's do. ---------------
+    def pin_memory(
+        self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True
+    ) -> torch.Tensor:
+        """`tensor` in page-locked host memory: a copy (`make_copy=False`: a fresh buffer of its size), in its
+        shape or flat (`match_shape=False`). Counted by the pinned-memory tracker. Torch cannot page-lock on
+        CPU, so there the torch backend returns `tensor` itself (a fresh buffer without `make_copy`), as
+        DeepSpeed's CPU accelerator does, and counts nothing."""
+        pins = get_active_native_pinned_memory()
+        if pins is not None:
+            track_pinned_memory(tensor.nbytes)
+            return pins.pin(tensor, make_copy=make_copy, match_shape=match_shape)
+        shape = tensor.shape if match_shape else (tensor.numel(),)
+        if not self._cuda:
+            return tensor if make_copy else tensor.new_empty(shape)
+        track_pinned_memory(tensor.nbytes)
+        if make_copy:
+            return tensor.reshape(shape).pin_memory()
+        return torch.empty(shape, dtype=tensor.dtype, pin_memory=True)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
+        pins = get_active_native_pinned_memory()
+        if pins is not None and pins.is_pinned(tensor):
+            return True
         return tensor.is_pinned() if self._cuda else False
 
-    def unpin_memory(self, tensor: torch.Tensor) -> None:
-        """Nothing to do: torch frees page-locked memory with its tensor (DeepSpeed's torch backend: None)."""
-        return None
+    def unpin_memory(self, tensor: torch.Tensor):
+        """Native backend: unlock the buffer and say whether it was one (True/False). Torch backend: None,
+        nothing to do (torch frees page-locked memory with its tensor), as DeepSpeed's."""
+        pins = get_active_native_pinned_memory()
+        return pins.unpin(tensor) if pins is not None else None
 
     # -- synchronisation and streams ---------------------------------------------------------------------
     def synchronize(self, device_index=None) -> None:

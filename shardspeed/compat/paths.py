@@ -222,9 +222,8 @@ PATHS: dict[str, object] = {
     "utils.get_tensor_model_parallel_world_size": "shardspeed.compat.mirrors.utils_groups:get_tensor_model_parallel_world_size",
     "utils.zero_to_fp32": "shardspeed.checkpoint.consolidate",
     "utils.comms_logging.CommsLogger": "shardspeed.comm.logger:CommsLogger",
-    "utils.pin_memory": NotOffered(
-        "the native pinned-memory allocator is a compiled op; pinning uses torch's pin_memory()", True
-    ),
+    "utils.pin_memory": "shardspeed.accelerator.native_pinning",
+    "utils.pin_memory_tracker": "shardspeed.accelerator.pinned_tracker",
     "utils.timer.trim_mean": "shardspeed.comm.logger:trim_mean",
     "utils.timer.ThroughputTimer": "shardspeed.runtime.throughput:ThroughputTimer",
     "utils.timer": NotOffered(
@@ -282,6 +281,7 @@ PATHS: dict[str, object] = {
     ),
     "sequence.fpdt_layer": NotOffered("FPDT (chunked long-sequence attention) layers are not built", True),
     "runtime.activation_checkpointing.checkpointing": "shardspeed.checkpointing",
+    "runtime.activation_checkpointing.offload_activations": "shardspeed.checkpointing.hidden_states_offload",
     "runtime.lr_schedules.*": "shardspeed.compat.mirrors.lr_schedule_keys",
     "runtime.dataloader.DeepSpeedDataLoader": "shardspeed.runtime.data:ShardedDataLoader",
     "runtime.dataloader.RepeatingLoader": "shardspeed.runtime.data:RepeatingLoader",
@@ -418,10 +418,9 @@ PATHS: dict[str, object] = {
     "utils.set_z3_leaf_modules_by_suffix": "shardspeed.utils.z3_leaf_module:set_z3_leaf_modules_by_suffix",
     "monitor.csv_monitor.csvMonitor": "shardspeed.monitor.csv_monitor:CsvMonitor",
     "monitor.config.DeepSpeedMonitorConfig": "shardspeed.compat.mirrors.runtime_config:DeepSpeedMonitorConfig",
-    "launcher.multinode_runner": NotOffered(
-        "DeepSpeed's runner classes are internal; shardspeed's launcher builds the same backends' commands "
-        "(shardspeed/launcher/multinode.py) behind the same flags",
-        True,
+    "launcher.multinode_runner": "shardspeed.compat.mirrors.launcher_backends",
+    "launcher.multinode_runner.MVAPICHRunner": NotOffered(
+        "shardspeed's launcher has no MVAPICH backend; MVAPICH2's hydra runs with --launcher mpich (MPICHRunner)"
     ),
     "launcher.multinode_runner.MultiNodeRunner": "shardspeed.compat.mirrors.launcher_runner:MultiNodeRunner",
     # -- deepspeed.checkpoint --------------------------------------------------------------------------------

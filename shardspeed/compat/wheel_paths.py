@@ -60,20 +60,8 @@ _AUTOTP_INTERNAL = (
     "an internal of DeepSpeed's AutoTP; shardspeed's AutoTP (init_inference tensor_parallel, tp_model_init and "
     "the tensor_parallel config block) shards the model itself"
 )
-_OTHER_DEVICES = (
-    "shardspeed runs on CUDA and the CPU only (accelerator.cuda_accelerator.CUDA_Accelerator, "
-    "accelerator.cpu_accelerator.CPU_Accelerator); get_accelerator() returns one of them"
-)
 _COMM_BACKENDS = "DeepSpeed's communication backend classes; shardspeed.comm calls torch.distributed directly"
 _STAND_IN_MODULES = {
-    "accelerator.hpu_accelerator": _OTHER_DEVICES,
-    "accelerator.klxpu_accelerator": _OTHER_DEVICES,
-    "accelerator.mlu_accelerator": _OTHER_DEVICES,
-    "accelerator.mps_accelerator": _OTHER_DEVICES,
-    "accelerator.npu_accelerator": _OTHER_DEVICES,
-    "accelerator.sdaa_accelerator": _OTHER_DEVICES,
-    "accelerator.supa_accelerator": _OTHER_DEVICES,
-    "accelerator.xpu_accelerator": _OTHER_DEVICES,
     "comm.backend": _COMM_BACKENDS,
     "comm.torch": _COMM_BACKENDS,
     "comm.ccl": _COMM_BACKENDS,
@@ -118,8 +106,6 @@ _STAND_IN_MODULES = {
         "DeepSpeed's config class for activation checkpointing; shardspeed reads the block into its one config "
         "system (deepspeed.checkpointing.configure takes the same config)"
     ),
-    "runtime.activation_checkpointing.offload_activations": "offloading hidden states to CPU memory between "
-    "forward and backward is not built; use cpu_checkpointing in the activation_checkpointing block",
     "runtime.checkpoint_engine": "checkpoint engines are not pluggable: shardspeed writes atomic, weights-only "
     "checkpoint files itself",
     "runtime.model_checkpointing": "checkpoint writers are not pluggable: shardspeed writes atomic, "
@@ -159,7 +145,6 @@ _STAND_IN_MODULES = {
     "utils.exceptions": INTERNAL,
     "utils.module_utils": INTERNAL,
     "utils.nvtx": "NVTX ranges are not emitted; torch.profiler records the engine's phases",
-    "utils.pin_memory_tracker": "pinned host memory is not tracked separately; torch allocates it",
     "utils.static_cache": INTERNAL,
     "utils.types": KERNELS,
     "utils.zero_to_torch": "use deepspeed.utils.zero_to_fp32 (its main() writes fp32 safetensors or "

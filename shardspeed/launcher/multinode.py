@@ -194,6 +194,16 @@ def hydra_program(backend: str) -> str:
     raise LauncherError(f"launcher {backend!r} not installed: none of {', '.join(candidates)} is its mpirun")
 
 
+def hydra_argv(plan: JobPlan, backend: str) -> list[str]:
+    """The MPICH or Intel MPI command for `plan`, for showing or running elsewhere: the hydra program installed
+    here, or `mpirun` (the name both install theirs under) when none is."""
+    try:
+        program = hydra_program(backend)
+    except LauncherError:
+        program = "mpirun"
+    return _hydra_argv(plan, backend, program)
+
+
 def check_installed(backend: str) -> None:
     """Raise a clear error if the tools a backend needs are missing (before anything starts)."""
     needed = {"ssh": ["ssh"], "pdsh": ["pdsh", "ssh"], "openmpi": ["mpirun", "ompi_info"], "slurm": ["srun"]}

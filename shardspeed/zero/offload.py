@@ -1,7 +1,7 @@
 """Optimizer offload (`zero_optimization.offload_optimizer`): where fp32 masters and optimizer state live.
 
-- device "cpu": the fp32 master shards and the optimizer state are CPU tensors (page-locked with
-  `pin_memory` when CUDA is present), the optimizer steps on the CPU, gradient shards are copied down
+- device "cpu": the fp32 master shards and the optimizer state are CPU tensors (masters page-locked with
+  `pin_memory` when CUDA is present, or by the native backend, DS_PIN_MEMORY_BACKEND=native), the optimizer steps on the CPU, gradient shards are copied down
   before the step and updated shards copied back after it. In a CPU-only run that is where everything
   already lives, so nothing moves.
 - device "nvme": as "cpu", and between steps the fp32 masters and every per-element state tensor (Adam's
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardspeed.accelerator import get_accelerator
 from shardspeed.zero.swap.aio import AioSettings
 
 
@@ -35,12 +36,24 @@ class OptimizerOffload:
     def host(self) -> torch.device:
         return torch.device("cpu")
 
+    _pinned: list = field(default_factory=list, repr=False)  # masters the accelerator page-locked
+
     def place_master(self, shard: torch.Tensor) -> torch.Tensor:
-        """A fp32 CPU copy of a shard, page-locked when asked and possible."""
+        """A fp32 CPU copy of a shard, page-locked when asked and possible: through the accelerator, which
+        pins with torch on CUDA (nothing on a CPU-only build) or with mlock when DS_PIN_MEMORY_BACKEND=native."""
         master = shard.detach().to(device=self.host, dtype=torch.float32, copy=True)
-        if self.pin_memory and torch.cuda.is_available():
-            master = master.pin_memory()
-        return master
+        if not self.pin_memory:
+            return master
+        pinned = get_accelerator().pin_memory(master)
+        if pinned is not master:
+            self._pinned.append(pinned)
+        return pinned
+
+    def close(self) -> None:
+        """Unlock what the native backend locked (engine.destroy()); the masters stay usable, pageable."""
+        for master in self._pinned:
+            get_accelerator().unpin_memory(master)
+        self._pinned.clear()
 
 
 class GradientNorms:

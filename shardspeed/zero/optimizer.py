@@ -340,12 +340,10 @@ class ZeroOptimizer(OptimizerWrapper):
             self.coordinator.remove_hooks()
 
     def close_offload(self) -> None:
-        """Delete this rank's NVMe swap files (optimizer state and parameter shards)."""
-        if self.nvme is not None:
-            self.nvme.close()
-        tier = getattr(self.coordinator, "tier", None)
-        if tier is not None:
-            tier.close()
+        """Delete this rank's NVMe swap files (optimizer state and parameter shards); unpin offloaded masters."""
+        for offload_part in (self.nvme, getattr(self.coordinator, "tier", None), self.offload):
+            if offload_part is not None:
+                offload_part.close()
 
     def _refresh_master(self, index: int):
         def refresh() -> None:

@@ -11,6 +11,7 @@ attention, ...) say they are not compatible, and `load()` raises NotOfferedError
 
 from __future__ import annotations
 
+from shardspeed.compat.mirrors.op_builder.evoformer_questions import EvoformerBuildQuestions
 from shardspeed.compat.not_offered import NotOfferedError
 
 __all__ = ["ALL_OPS", "COMPATIBLE_OPS", "OpBuilder"]
@@ -118,12 +119,17 @@ class OpBuilder:
         raise NotOfferedError(f"{type(self).__name__}.builder(): shardspeed builds no C++/CUDA extensions")
 
 
+# builders that answer more of DeepSpeed's questions than OpBuilder does: class name -> mixin
+_QUESTIONS = {"EvoformerAttnBuilder": EvoformerBuildQuestions}
+
+
 def _builder_class(class_name: str, op_name: str) -> type:
     build_var = "DS_BUILD_" + op_name.upper()
     doc = f"DeepSpeed's {class_name} ({op_name!r}): " + (
         f"served by {_SERVED_BY[op_name]}" if op_name in _SERVED_BY else "not offered (a compiled kernel)"
     )
-    return type(class_name, (OpBuilder,), {"NAME": op_name, "BUILD_VAR": build_var, "__doc__": doc})
+    bases = (_QUESTIONS[class_name], OpBuilder) if class_name in _QUESTIONS else (OpBuilder,)
+    return type(class_name, bases, {"NAME": op_name, "BUILD_VAR": build_var, "__doc__": doc})
 
 
 for _class_name, _op_name in _BUILDERS.items():

@@ -1,0 +1,12 @@
+"""DeepSpeed's `deepspeed.accelerator.sdaa_accelerator`: Tecorigin SDAA devices, which shardspeed does not run on
+(other_devices.py); the class exists so that importing it works, and building one says so."""
+
+from __future__ import annotations
+
+from shardspeed.accelerator.other_devices import UnsupportedDeviceAccelerator
+
+__all__ = ["SDAA_Accelerator"]
+
+
+class SDAA_Accelerator(UnsupportedDeviceAccelerator):  # DeepSpeed's class name
+    device = "sdaa"
