@@ -72,6 +72,25 @@ def _shardspeed_jobs(jobs: list) -> None:
         dist.barrier()
 
 
+def _assert_resumed(jobs: list, resumer: str, tolerance: float, with_world: bool = True) -> None:
+    """Each resumed run (`out`) against the writing library's uninterrupted one (`expected`): the same counters
+    and parameter names, losses and final weights within `tolerance`; every job is compared before failing."""
+    failures = []
+    for job in jobs:
+        got, expected = torch.load(job["out"]), torch.load(job["expected"])
+        assert got["counters"] == expected["counters"], (job, got["counters"], expected["counters"])
+        assert sorted(got["weights"]) == sorted(expected["weights"]), job
+        loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
+        weights = max((got["weights"][n] - w).abs().max().item() for n, w in expected["weights"].items())
+        label = f"{Path(job['expected']).stem} -> {resumer} ep {job['ep']} stage {job['stage']}"
+        if with_world:
+            label += f" at {job['world']}"
+        print(f"{label}: max loss difference {loss:.3g}, max weight difference {weights:.3g}")
+        if loss > tolerance or weights > tolerance:
+            failures.append(f"{label}: losses differ by {loss}, weights by {weights}")
+    assert failures == []
+
+
 def test_deepspeed_moe_checkpoints_resume_in_shardspeed(tmp_path):
     saves = {
         (ep, stage, aux): {"ep": ep, "stage": stage, "aux": aux, "save": str(tmp_path / f"ds-ep{ep}-s{stage}-{aux}"),
@@ -93,18 +112,7 @@ def test_deepspeed_moe_checkpoints_resume_in_shardspeed(tmp_path):
     for world in (2, 1, 4):
         run_ranks(_shardspeed_jobs, world, [j for j in jobs if j["world"] == world], timeout=600)
 
-    failures = []
-    for job in jobs:
-        got, expected = torch.load(job["out"]), torch.load(job["expected"])
-        assert got["counters"] == expected["counters"], (job, got["counters"], expected["counters"])
-        assert sorted(got["weights"]) == sorted(expected["weights"]), job
-        loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
-        weights = max((got["weights"][n] - w).abs().max().item() for n, w in expected["weights"].items())
-        label = f"{Path(job['expected']).stem} -> shardspeed ep {job['ep']} stage {job['stage']} at {job['world']}"
-        print(f"{label}: max loss difference {loss:.3g}, max weight difference {weights:.3g}")
-        if loss > TOLERANCE or weights > TOLERANCE:
-            failures.append(f"{label}: losses differ by {loss}, weights by {weights}")
-    assert failures == []
+    _assert_resumed(jobs, "shardspeed", TOLERANCE)
 
 
 def test_deepspeed_bf16_moe_checkpoints_resume_in_shardspeed(tmp_path):
@@ -120,18 +128,7 @@ def test_deepspeed_bf16_moe_checkpoints_resume_in_shardspeed(tmp_path):
         for saved, ep, stage in [(0, 2, 0), (2, 2, 2), (0, 1, 2), (2, 1, 0)]
     ]  # fmt: skip
     run_ranks(_shardspeed_jobs, 2, jobs, timeout=600)
-    failures = []
-    for job in jobs:
-        got, expected = torch.load(job["out"]), torch.load(job["expected"])
-        assert got["counters"] == expected["counters"], (job, got["counters"], expected["counters"])
-        assert sorted(got["weights"]) == sorted(expected["weights"]), job
-        loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
-        weights = max((got["weights"][n] - w).abs().max().item() for n, w in expected["weights"].items())
-        label = f"{Path(job['expected']).stem} -> shardspeed ep {job['ep']} stage {job['stage']}"
-        print(f"{label}: max loss difference {loss:.3g}, max weight difference {weights:.3g}")
-        if loss > BF16_TOLERANCE or weights > BF16_TOLERANCE:
-            failures.append(f"{label}: losses differ by {loss}, weights by {weights}")
-    assert failures == []
+    _assert_resumed(jobs, "shardspeed", BF16_TOLERANCE, with_world=False)
 
 
 # -- the other way: shardspeed writes, DeepSpeed resumes ------------------------------------------------------
@@ -190,17 +187,4 @@ def test_shardspeed_moe_checkpoints_resume_in_deepspeed(tmp_path):
             f"DeepSpeed's resumes failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
         )
 
-    failures = []
-    for job in jobs:
-        got, expected = torch.load(job["out"]), torch.load(job["expected"])
-        assert got["counters"] == expected["counters"], (job, got["counters"], expected["counters"])
-        assert sorted(got["weights"]) == sorted(expected["weights"]), job
-        loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
-        weights = max((got["weights"][n] - w).abs().max().item() for n, w in expected["weights"].items())
-        label = (
-            f"{Path(job['expected']).stem} -> DeepSpeed ep {job['ep']} stage {job['stage']} at {job['world']}"
-        )
-        print(f"{label}: max loss difference {loss:.3g}, max weight difference {weights:.3g}")
-        if loss > TOLERANCE or weights > TOLERANCE:
-            failures.append(f"{label}: losses differ by {loss}, weights by {weights}")
-    assert failures == []
+    _assert_resumed(jobs, "DeepSpeed", TOLERANCE)
