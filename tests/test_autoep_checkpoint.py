@@ -193,3 +193,17 @@ def test_autoep_checkpoint_resume_and_reshard(tmp_path):
         assert untouched
         assert "AutoEP layers" in messages[0] and "'num_experts': 8" in messages[0], messages[0]
         assert "layer_0_expert_3_mp_rank_00_model_states.pt" in messages[1], messages[1]
+
+
+def test_an_expert_file_that_is_missing_or_from_another_module_is_refused_naming_it(tmp_path):
+    from shardspeed.checkpoint import files
+    from shardspeed.checkpoint.files import CheckpointError
+    from shardspeed.moe.autoep_checkpoint import load_expert_file
+
+    name = "layer_0_expert_1_mp_rank_00_model_states.pt"
+    with pytest.raises(CheckpointError, match=f"has no {name} \\(expert 1 of MoE layer 0\\)"):
+        load_expert_file(tmp_path / name, 0, 1, ["a.w1.1"])
+    files.save_file({"a.w1.1": torch.ones(2)}, tmp_path / name)
+    assert torch.equal(load_expert_file(tmp_path / name, 0, 1, ["a.w1.1"])["a.w1.1"], torch.ones(2))
+    with pytest.raises(CheckpointError, match=r"lacks \['b.w2.1'\]: not expert 1"):
+        load_expert_file(tmp_path / name, 0, 1, ["a.w1.1", "b.w2.1"])

@@ -34,6 +34,7 @@ __all__ = [
     "check_layers_metadata",
     "expert_param_names",
     "layers_metadata",
+    "load_expert_file",
     "local_expert_ids",
     "moe_layer_ids",
     "split_full_state",
@@ -170,15 +171,19 @@ def universal_entries(module, ep_rank_of, full_state) -> list[tuple[int, int, st
     return [(*key, entries) for key, entries in out.items()]
 
 
-def _load_expert_file(file, layer_id: int, global_id: int, keys: list[str]) -> dict:
+def load_expert_file(file, layer_id: int, global_id: int, keys) -> dict:
+    """One expert's file (`deepspeed.moe` or AutoEP: the same layout), refused naming it when it is missing or
+    lacks any of `keys` (then it was saved from another expert module)."""
     if not file.is_file():
         raise CheckpointError(
-            f"checkpoint {file.parent} has no {file.name} (AutoEP expert {global_id} of MoE layer {layer_id})"
+            f"checkpoint {file.parent} has no {file.name} (expert {global_id} of MoE layer {layer_id})"
         )
     saved = files.load_file(file)
     missing = [k for k in keys if k not in saved]
     if missing:
-        raise CheckpointError(f"{file} lacks {missing}: not AutoEP expert {global_id} of this model's layer")
+        raise CheckpointError(
+            f"{file} lacks {missing[:4]}: not expert {global_id} of this model's layer (saved from another module)"
+        )
     return saved
 
 
@@ -191,7 +196,7 @@ def stack_expert_values(module, path, ep_rank_of, file_name) -> dict:
         rows = {w: [] for w in EXPERT_WEIGHTS}
         for global_id in _global_ids(layer, ep_rank_of(layer.ep_group_name)):
             keys = [f"{prefix}.{w}.{global_id}" for w in EXPERT_WEIGHTS]
-            saved = _load_expert_file(path / file_name(layer_id, global_id), layer_id, global_id, keys)
+            saved = load_expert_file(path / file_name(layer_id, global_id), layer_id, global_id, keys)
             for w, key in zip(EXPERT_WEIGHTS, keys):
                 rows[w].append(saved[key])
         values.update({f"{prefix}.{w}": torch.stack(rows[w]) for w in EXPERT_WEIGHTS})
@@ -209,7 +214,7 @@ def stack_universal_entries(module, path, ep_rank_of, file_name) -> dict:
         for global_id in _global_ids(layer, ep_rank_of(layer.ep_group_name)):
             keys = [f"{prefix}.{w}.{global_id}" for w in trainable]
             file = path / file_name(layer_id, global_id)
-            saved = _load_expert_file(file, layer_id, global_id, ["params"])["params"]
+            saved = load_expert_file(file, layer_id, global_id, ["params"])["params"]
             missing = [k for k in keys if k not in saved]
             if missing:
                 raise CheckpointError(f"{file} lacks {missing}")

@@ -251,15 +251,9 @@ def _expert_values(part, path) -> dict:
     """This rank's experts' tensors from their files, under the local names of this model."""
     values = {}
     for layer_id, global_id, _, names, _ in expert_entries(part):
-        file = path / expert_file_name(layer_id, global_id)
-        if not file.is_file():
-            raise CheckpointError(
-                f"checkpoint {path} has no {file.name} (expert {global_id} of MoE layer {layer_id})"
-            )
-        saved = files.load_file(file)
-        missing = [g for g in names if g not in saved]
-        if missing:
-            raise CheckpointError(f"{file} lacks {missing[:4]}: saved from a different expert module")
+        saved = autoep.load_expert_file(
+            path / expert_file_name(layer_id, global_id), layer_id, global_id, names
+        )
         values.update({local: saved[g] for g, local in names.items()})
     return {**values, **autoep.stack_expert_values(part.module, path, part.moe.expert_rank, expert_file_name)}
 
